@@ -1,0 +1,110 @@
+"""The command line: ``tokenmill prepare | inspect | verify | demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tokenmill.errors import TokenmillError
+
+
+def _int_or_auto(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokenmill", description="Keep accelerators fed: "
+                                "tokenize text into a memory-mapped store, load exact batches.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    pp = sub.add_parser("prepare", help="tokenize text files into a token store")
+    pp.add_argument("inputs", nargs="+", metavar="INPUT",
+                    help="files, directories, globs or URLs (.txt .jsonl[.gz|.zst] .parquet)")
+    pp.add_argument("--out", required=True, help="store directory to create (or resume)")
+    pp.add_argument("--tokenizer", default="bytes",
+                    help="'bytes' (default), a tokenizer.json, a .tiktoken file or a .model file")
+    pp.add_argument("--workers", type=_int_or_auto, default="auto", help="processes (default: cores)")
+    pp.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default 2^26)")
+    pp.add_argument("--text-key", default="text", help="JSONL field / parquet column (default text)")
+    pp.add_argument("--txt-mode", choices=["file", "lines", "paragraphs"], default="file",
+                    help="one document per .txt file (default), per line, or per paragraph")
+    pp.add_argument("--on-error", choices=["raise", "skip"], default="raise",
+                    help="stop at the first bad input (default) or skip and count it")
+    pp.add_argument("--no-eos", action="store_true", help="do not append EOS to documents")
+    pp.add_argument("--bos", action="store_true", help="prepend BOS to every document")
+    pp.add_argument("--eos-token", default=None, help="EOS token string, if not detected")
+    pp.add_argument("--no-fast-tokenizer", action="store_true",
+                    help="never swap a tokenizer.json for its equivalent tiktoken encoding")
+    pp.add_argument("--overwrite", action="store_true", help="replace a different store at --out")
+    pp.add_argument("--quiet", action="store_true", help="no progress output")
+
+    pi = sub.add_parser("inspect", help="describe a store")
+    pi.add_argument("store")
+    pi.add_argument("--json", action="store_true", help="print JSON instead of text")
+    pi.add_argument("--plot", metavar="FILE.png", help="write a histogram of document lengths")
+
+    pv = sub.add_parser("verify", help="check a store's structure and every checksum")
+    pv.add_argument("store")
+
+    pd = sub.add_parser("demo", help="the end-to-end demo on built-in data")
+    pd.add_argument("--out", default="demo-out", help="working directory (default demo-out)")
+    pd.add_argument("--quick", action="store_true", help="a smaller, faster run")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except TokenmillError as e:
+        print(f"tokenmill {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tokenmill {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _prepare(args) -> int:
+    from tokenmill.prepare import prepare
+    options = dict(text_key=args.text_key, txt_mode=args.txt_mode, on_error=args.on_error,
+                   add_eos=not args.no_eos, add_bos=args.bos, eos=args.eos_token,
+                   fast_tokenizer=not args.no_fast_tokenizer)
+    if args.shard_tokens is not None:
+        options["shard_tokens"] = args.shard_tokens
+    prepare(args.inputs, out=args.out, tokenizer=args.tokenizer, workers=args.workers,
+            progress=False if args.quiet else None, overwrite=args.overwrite, **options)
+    return 0
+
+
+def _inspect(args) -> int:
+    from tokenmill.inspection import describe, format_description, plot_lengths
+    info = describe(args.store)
+    print(json.dumps(info, indent=1) if args.json else format_description(info))
+    if args.plot:
+        plot_lengths(args.store, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _verify(args) -> int:
+    from tokenmill.store import verify_store
+    problems = verify_store(args.store)
+    if problems:
+        for line in problems:
+            print(f"BAD  {line}")
+        print(f"{args.store}: {len(problems)} problem(s) found")
+        return 1
+    print(f"{args.store}: OK (structure and every checksum verified)")
+    return 0
+
+
+def _demo(args) -> int:
+    from tokenmill.demo import run_demo
+    run_demo(Path(args.out), quick=args.quick)
+    return 0
+
+
+_COMMANDS = {"prepare": _prepare, "inspect": _inspect, "verify": _verify, "demo": _demo}

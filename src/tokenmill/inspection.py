@@ -1,0 +1,105 @@
+"""What ``tokenmill inspect`` shows of a store: counts, length percentiles, a decoded sample."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from tokenmill.errors import TokenmillError
+from tokenmill.store import TokenStore
+
+PERCENTILES = (0, 10, 50, 90, 99, 100)
+
+
+def length_percentiles(lengths: np.ndarray) -> dict[str, int]:
+    """Tokens-per-document percentiles, keyed "p0" … "p100".
+
+    length_percentiles(np.array([1, 2, 3]))["p50"] == 2
+    """
+    if len(lengths) == 0:
+        return {f"p{q}": 0 for q in PERCENTILES}
+    values = np.percentile(lengths, PERCENTILES, method="nearest")
+    return {f"p{q}": int(v) for q, v in zip(PERCENTILES, values)}
+
+
+def decoded_sample(store: TokenStore, *, max_tokens: int = 64) -> str | None:
+    """The first document's opening tokens decoded, when the tokenizer file is still at hand."""
+    from tokenmill.tokenizer import load_tokenizer
+    spec = store.manifest.get("settings", {}).get("tokenizer", "bytes")
+    try:
+        tok = load_tokenizer(spec)
+    except (TokenmillError, OSError):
+        return None
+    if tok.identity().get("file_xxh3") != store.tokenizer.get("file_xxh3"):
+        return None  # a different file now sits at that path: decoding would mislead
+    return tok.decode(np.asarray(store[0][:max_tokens], dtype=np.int64).tolist()) if len(store) else ""
+
+
+def describe(path: str | os.PathLike) -> dict:
+    """A JSON-able description of the store at ``path``."""
+    with TokenStore(path) as store:
+        m = store.manifest
+        disk = sum(s["bin_bytes"] + s["idx_bytes"] for s in m["shards"])
+        return {
+            "path": str(Path(path)),
+            "documents": len(store),
+            "tokens": store.num_tokens,
+            "tokens_per_document": length_percentiles(store.doc_lengths),
+            "mean_tokens_per_document": (store.num_tokens / len(store)) if len(store) else 0.0,
+            "dtype": m["dtype"],
+            "tokenizer": m["tokenizer"],
+            "shards": len(m["shards"]),
+            "disk_bytes": disk,
+            "skipped": m.get("skipped", {}),
+            "fingerprint": m["fingerprint"],
+            "sample": decoded_sample(store),
+        }
+
+
+def format_description(info: dict) -> str:
+    """Human-readable lines for ``describe``'s dict."""
+    tok = info["tokenizer"]
+    pct = "  ".join(f"{k} {v:,}" for k, v in info["tokens_per_document"].items())
+    skipped = info["skipped"] or {}
+    reasons = ", ".join(f"{k} {v:,}" for k, v in skipped.get("by_reason", {}).items())
+    lines = [
+        f"store        {info['path']}",
+        f"documents    {info['documents']:,}",
+        f"tokens       {info['tokens']:,}  (mean {info['mean_tokens_per_document']:,.1f} per document)",
+        f"tokens/doc   {pct}",
+        f"dtype        {info['dtype']}",
+        f"tokenizer    {tok.get('kind')} {tok.get('name')}  vocab {tok.get('vocab_size'):,}  "
+        f"eos {tok.get('eos_id')}  bos {tok.get('bos_id')}",
+        f"shards       {info['shards']}  ({info['disk_bytes'] / 1e6:,.1f} MB on disk)",
+        f"skipped      {skipped.get('total', 0):,}" + (f"  ({reasons})" if reasons else ""),
+        f"fingerprint  {info['fingerprint']}",
+    ]
+    if info["sample"] is not None:
+        lines.append(f"sample       {info['sample'][:200]!r}")
+    return "\n".join(lines)
+
+
+def plot_lengths(path: str | os.PathLike, out_png: str | os.PathLike) -> None:
+    """Write a histogram of document lengths (log-spaced bins) to a PNG."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise TokenmillError("--plot needs matplotlib: pip install 'tokenmill[plot]'") from None
+    with TokenStore(path) as store:
+        lengths = np.asarray(store.doc_lengths)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    hi = max(int(lengths.max()) if len(lengths) else 1, 2)
+    ax.hist(lengths, bins=np.unique(np.geomspace(1, hi, 60).astype(int)), color="#4672b4")
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens per document")
+    ax.set_ylabel("documents")
+    ax.set_title(f"{Path(path).name}: {len(lengths):,} documents")
+    fig.tight_layout()
+    tmp = Path(out_png).with_name(f".{Path(out_png).name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, out_png)

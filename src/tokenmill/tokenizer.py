@@ -1,0 +1,630 @@
+r"""Tokenizers behind one small protocol, chosen by a spec string.
+
+    spec                          kind             engine
+    "bytes" (the default)         "bytes"          UTF-8 bytes 0..255, EOS 256, BOS 257
+    ".../tokenizer.json", *.json  "hf"             "tiktoken" (fast path) or "tokenizers"
+    ".../name.tiktoken"           "tiktoken"       tiktoken, from the local file only
+    ".../name.model"              "sentencepiece"  sentencepiece
+
+load_tokenizer("bytes").encode_batch(["hi"])[0].tolist() == [104, 105]
+
+encode_batch never adds special tokens; encode_documents appends EOS (and prepends BOS if asked).
+Text that contains special-token strings never raises: tiktoken files and sentencepiece encode it
+as plain text; Hugging Face tokenizers split it into the added token, as `tokenizers` itself does.
+Lone surrogates are replaced by U+FFFD before encoding (in every engine, so they agree).
+
+Fast path. tiktoken's BPE engine encodes byte-level BPE about 4x faster than `tokenizers` with the
+same ids. A tokenizer.json takes it when all of these hold (otherwise it falls back to `tokenizers`
+and warns once, saying why):
+  - model BPE: no dropout, continuing_subword_prefix or end_of_word_suffix; every one of the 256
+    byte symbols in the vocab; merges whose results keep one priority each (a token made by several
+    merges only if they are adjacent in the merge list, as in tiktoken-converted Llama 3 files);
+  - no normalizer (or an empty Sequence);
+  - pre-tokenizer ByteLevel(use_regex=True, add_prefix_space=False) (GPT-2 regex, taken from
+    tiktoken_ext.openai_public.r50k_pat_str), or Sequence[Split(Regex, Isolated),
+    ByteLevel(use_regex=False, add_prefix_space=False)] (Llama 3 style: that regex);
+  - added tokens without lstrip/rstrip/single_word and none a prefix of another (they are matched
+    as tiktoken special tokens, as `tokenizers` splits on them even with add_special_tokens=False);
+  - with ignore_merges=False, every merged token encodes to itself (tiktoken looks whole pieces up
+    in the vocab first); with ignore_merges=True (as tokenizers does then), no vocab token that no
+    merge makes;
+  - tiktoken compiles the regex, and both engines give identical ids on a built-in multilingual
+    sample (_PROOF_SAMPLE plus every added token) at load time. The regex engines differ: e.g.
+    Oniguruma (tokenizers) reads `$` as end of line and `\p{N}{1,3}+` as "1-3 digits, repeated",
+    fancy-regex (tiktoken) as end of text and possessive; such files fail the proof and fall back.
+Ranks are the vocab ids when those rise with merge order (files trained by tokenizers or converted
+from tiktoken); otherwise ranks follow merge order and ids are mapped back through a lookup table.
+Not taken (yet): normalizers such as Qwen2's NFC, several Splits in a row (DeepSeek-V3), Metaspace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import numpy as np
+import xxhash
+
+from tokenmill.errors import ConfigError, TokenizerError
+
+__all__ = ["Tokenizer", "encode_documents", "load_tokenizer", "token_dtype", "train_bpe"]
+
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "<|im_end|>")
+BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
+ENDOFTEXT = "<|endoftext|>"
+SPEC_FORMS = ("'bytes', a Hugging Face tokenizer.json (any .json), a tiktoken BPE file (.tiktoken) "
+              "or a sentencepiece model (.model)")
+_WARNED: set[str] = set()
+
+
+class Tokenizer(Protocol):
+    """What tokenmill needs of a tokenizer: ids per text, EOS/BOS ids and a stable identity."""
+
+    kind: str  # "hf" | "tiktoken" | "sentencepiece" | "bytes"
+    engine: str  # what runs the encoding: "tiktoken" | "tokenizers" | "sentencepiece" | "bytes"
+    vocab_size: int  # max id + 1, special tokens included
+    eos_id: int | None
+    bos_id: int | None
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]: ...
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str: ...
+
+    def identity(self) -> dict: ...
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The store's token dtype, Megatron's rule: token_dtype(50257) == np.dtype(np.uint16)."""
+    if vocab_size < 1:
+        raise ConfigError(f"vocab_size must be >= 1 (got {vocab_size=})")
+    return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
+
+
+def load_tokenizer(spec: str | os.PathLike = "bytes", *, fast: bool = True, eos: str | None = None,
+                   bos: str | None = None) -> Tokenizer:
+    """The tokenizer a spec names; eos=/bos= pick those tokens by their text.
+
+    load_tokenizer("bytes").vocab_size == 258
+    """
+    spec = os.fspath(spec)
+    if spec == "bytes":
+        if eos is not None or bos is not None:
+            raise TokenizerError("the 'bytes' tokenizer has fixed ids EOS=256 and BOS=257; "
+                                 f"drop eos=/bos= (got {eos=}, {bos=})")
+        return ByteTokenizer()
+    loaders = {".json": HFTokenizer, ".tiktoken": TiktokenTokenizer,
+               ".model": SentencePieceTokenizer}
+    cls = loaders.get(os.path.splitext(spec)[1].lower())
+    if cls is None:
+        raise TokenizerError(f"unknown tokenizer spec {spec!r}: expected {SPEC_FORMS}")
+    if not os.path.isfile(spec):
+        raise TokenizerError(f"tokenizer file not found: {spec!r} (expected {SPEC_FORMS})")
+    with open(spec, "rb") as f:
+        data = f.read()
+    if cls is HFTokenizer:
+        return HFTokenizer(spec, data, fast=fast, eos=eos, bos=bos)
+    return cls(spec, data, eos=eos, bos=bos)
+
+
+def encode_documents(tok: Tokenizer, texts: Sequence[str], *, add_eos: bool = True,
+                     add_bos: bool = False, dtype=None) -> tuple[np.ndarray, np.ndarray]:
+    """All documents' ids back to back ([BOS] ids [EOS] each) and their int64 lengths.
+
+    encode_documents(load_tokenizer("bytes"), ["hi", ""])[0].tolist() == [104, 105, 256, 256]
+    """
+    dtype = token_dtype(tok.vocab_size) if dtype is None else np.dtype(dtype)
+    if dtype.kind not in "iu" or np.iinfo(dtype).max < tok.vocab_size - 1:
+        raise ConfigError(f"dtype {dtype} cannot hold ids up to {tok.vocab_size - 1}; "
+                          f"use token_dtype({tok.vocab_size}) = {token_dtype(tok.vocab_size)}")
+    for wanted, token_id, name in ((add_eos, tok.eos_id, "eos"), (add_bos, tok.bos_id, "bos")):
+        if wanted and token_id is None:
+            raise TokenizerError(f"{tok.identity()['name']} has no {name.upper()} token; pass "
+                                 f"{name}='…' to load_tokenizer or add_{name}=False")
+    docs = tok.encode_batch(texts)
+    extra = int(add_eos) + int(add_bos)
+    lengths = np.fromiter((len(d) for d in docs), np.int64, len(docs)) + extra
+    if not extra:
+        flat = np.concatenate(docs, dtype=dtype, casting="unsafe") if docs else np.empty(0, dtype)
+        return flat, lengths
+    ends = np.cumsum(lengths)
+    flat = np.empty(int(ends[-1]) if len(ends) else 0, dtype)
+    if add_eos:
+        flat[ends - 1] = tok.eos_id
+    if add_bos:
+        flat[ends - lengths] = tok.bos_id
+    for start, doc in zip((ends - lengths + int(add_bos)).tolist(), docs):
+        flat[start:start + len(doc)] = doc  # ids < vocab_size, so the cast is exact
+    return flat, lengths
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, *, out_path: str | os.PathLike) -> str:
+    """Train a GPT-2-style byte-level BPE with <|endoftext|>, save it as tokenizer.json; its path.
+
+    load_tokenizer(train_bpe(texts, 32000, out_path="tokenizer.json")).engine == "tiktoken"
+    """
+    from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise ConfigError(f"vocab_size must be >= 257: 256 bytes + {ENDOFTEXT} (got {vocab_size=})")
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[ENDOFTEXT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    out_path = os.fspath(out_path)
+    tmp = f"{out_path}.tmp-{os.getpid()}"
+    tok.save(tmp)
+    os.replace(tmp, out_path)
+    return out_path
+
+
+def _scrub(text: str) -> str:
+    """Text with lone surrogates replaced by U+FFFD (what tiktoken does), so UTF-8 can hold it."""
+    if not isinstance(text, str):
+        raise TokenizerError(f"texts must be str (got {type(text).__name__})")
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _identity(kind: str, name: str, vocab_size: int, eos_id, bos_id, data: bytes | None) -> dict:
+    return {"kind": kind, "name": name, "vocab_size": vocab_size, "eos_id": eos_id,
+            "bos_id": bos_id, "file_xxh3": None if data is None else xxhash.xxh3_64(data).hexdigest()}
+
+
+def _reload(spec: str, kwargs: dict) -> Tokenizer:
+    return load_tokenizer(spec, **kwargs)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, EOS 256, BOS 257."""
+
+    kind = engine = "bytes"
+    vocab_size, eos_id, bos_id = 258, 256, 257
+    _special = {256: ENDOFTEXT, 257: "<|startoftext|>"}  # how decode shows them
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [np.frombuffer(self._utf8(t), np.uint8) for t in texts]
+
+    @staticmethod
+    def _utf8(text: str) -> bytes:
+        try:
+            return text.encode("utf-8")
+        except UnicodeEncodeError:
+            return _scrub(text).encode("utf-8")
+        except AttributeError:
+            raise TokenizerError(f"texts must be str (got {type(text).__name__})") from None
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        ids = np.asarray(ids, dtype=np.int64).ravel()
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            raise TokenizerError(f"byte ids must be in 0..257 (got {ids.min()}..{ids.max()})")
+        parts, start = [], 0
+        for i in np.flatnonzero(ids >= 256).tolist() + [len(ids)]:
+            parts.append(ids[start:i].astype(np.uint8).tobytes().decode("utf-8", "replace"))
+            parts.append(self._special.get(int(ids[i]), "") if i < len(ids) else "")
+            start = i + 1
+        return "".join(parts)
+
+    def identity(self) -> dict:
+        return _identity("bytes", "bytes", 258, 256, 257, None)
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+class TiktokenTokenizer:
+    """A tiktoken Encoding read from a local .tiktoken file (base64 token, space, rank per line).
+
+    A file named like an OpenAI encoding (r50k_base, p50k_base, cl100k_base, o200k_base, ...)
+    gets that encoding's regex and special tokens; any other file gets the cl100k_base regex and
+    one special token, <|endoftext|>, with the id after the last rank.
+    """
+
+    kind = engine = "tiktoken"
+
+    def __init__(self, path: str, data: bytes, *, eos: str | None, bos: str | None):
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+
+        self._spec, self._kwargs = path, {"eos": eos, "bos": bos}
+        self._data, self.name = data, os.path.basename(path)
+        try:
+            ranks = load_tiktoken_bpe(path)
+        except Exception as e:
+            raise TokenizerError(f"{path}: not a tiktoken BPE file "
+                                 f"(base64 token, space, rank per line): {e}") from e
+        if not ranks:
+            raise TokenizerError(f"{path}: holds no tokens")
+        stem = self.name[: -len(".tiktoken")]
+        params = _openai_params(stem, ranks)
+        if params is None:
+            pat_str = _openai_params("cl100k_base", ranks)["pat_str"]
+            specials = {ENDOFTEXT: max(ranks.values()) + 1}
+        else:
+            pat_str, specials = params["pat_str"], params["special_tokens"]
+            want = params.get("explicit_n_vocab") or len(ranks) + len(specials)
+            if len(ranks) + len(specials) != want or max(ranks.values()) >= min(specials.values()):
+                raise TokenizerError(f"{path}: named like OpenAI's {stem} but does not fit its "
+                                     f"special tokens {specials}; rename the file to get the "
+                                     "default (cl100k regex, <|endoftext|> after the last rank)")
+        try:
+            self._enc = tiktoken.Encoding(f"tokenmill-{stem}", pat_str=pat_str,
+                                          mergeable_ranks=ranks, special_tokens=specials)
+        except BaseException as e:  # the Rust core panics on inconsistent ranks
+            raise TokenizerError(f"{path}: tiktoken cannot build an encoding from it: {e}") from e
+        self.vocab_size = self._enc.n_vocab
+        self.eos_id = self._special_id(specials, eos, "eos", ENDOFTEXT, required=True)
+        self.bos_id = self._special_id(specials, bos, "bos", "<|startoftext|>", required=False)
+
+    def _special_id(self, specials: dict, text: str | None, what: str, default: str,
+                    *, required: bool) -> int | None:
+        if text is not None and text not in specials:
+            raise TokenizerError(f"{self._spec}: {what}={text!r} is not one of its special tokens "
+                                 f"{sorted(specials)}")
+        token_id = specials.get(default if text is None else text)
+        if token_id is None and required:
+            raise TokenizerError(f"{self._spec} has no {default} token; pass {what}='…' "
+                                 f"(one of {sorted(specials)})")
+        return token_id
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [_encode_np(self._enc, t, frozenset()) for t in texts]
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        return self._enc.decode(np.asarray(ids).tolist(), errors="replace")
+
+    def identity(self) -> dict:
+        return _identity("tiktoken", self.name, self.vocab_size, self.eos_id, self.bos_id,
+                         self._data)
+
+    def __reduce__(self):
+        return _reload, (self._spec, self._kwargs)
+
+    def __repr__(self) -> str:
+        return f"TiktokenTokenizer({self._spec!r})"
+
+
+def _encode_np(enc, text: str, allowed: frozenset) -> np.ndarray:
+    """One text through tiktoken as a uint32 array; encode_to_numpy skips Python lists."""
+    try:
+        return enc.encode_to_numpy(text, allowed_special=allowed, disallowed_special=())
+    except UnicodeEncodeError:  # encode_to_numpy lacks encode()'s surrogate fallback
+        return enc.encode_to_numpy(_scrub(text), allowed_special=allowed, disallowed_special=())
+
+
+def _openai_params(name: str, ranks: dict[bytes, int]) -> dict | None:
+    """OpenAI's constructor for `name` (pattern, special tokens) run on local ranks; None if none.
+
+    The cl100k/o200k regexes live only inside tiktoken_ext's constructor functions, so rather than
+    copying them we run copies of those functions whose file loaders return `ranks`: nothing is
+    read or downloaded, and tiktoken's module stays untouched.
+    """
+    from tiktoken_ext import openai_public
+
+    ctors = openai_public.ENCODING_CONSTRUCTORS
+    if name not in ctors:
+        return None
+    env = dict(vars(openai_public))
+    env["load_tiktoken_bpe"] = env["data_gym_to_mergeable_bpe_ranks"] = lambda *a, **k: ranks
+    for key, fn in ctors.items():  # o200k_harmony calls o200k_base(): patch them all
+        env[fn.__name__] = types.FunctionType(fn.__code__, env, fn.__name__, fn.__defaults__,
+                                              fn.__closure__)
+    return env[ctors[name].__name__]()
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece model file; EOS is the model's own unless eos= names a piece."""
+
+    kind = engine = "sentencepiece"
+
+    def __init__(self, path: str, data: bytes, *, eos: str | None, bos: str | None):
+        import sentencepiece as spm
+
+        self._spec, self._kwargs = path, {"eos": eos, "bos": bos}
+        self._data, self.name = data, os.path.basename(path)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=data)
+        except Exception as e:
+            raise TokenizerError(f"{path}: not a sentencepiece model: {e}") from e
+        self.vocab_size = self._sp.get_piece_size()
+        self.eos_id = self._piece_id(eos, "eos", self._sp.eos_id())
+        self.bos_id = self._piece_id(bos, "bos", self._sp.bos_id())
+        if self.eos_id is None:
+            raise TokenizerError(f"{path} has no EOS token; pass eos='…' (a piece of the model)")
+
+    def _piece_id(self, piece: str | None, what: str, own: int) -> int | None:
+        if piece is None:
+            return own if own >= 0 else None
+        token_id = self._sp.piece_to_id(piece)
+        if self._sp.id_to_piece(token_id) != piece:
+            raise TokenizerError(f"{self._spec}: {what}={piece!r} is not a piece of the model")
+        return token_id
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        texts = list(texts)
+        try:
+            ids = self._sp.encode(texts, out_type=int, num_threads=1)  # caller runs processes
+        except (TypeError, UnicodeEncodeError, RuntimeError):
+            ids = self._sp.encode([_scrub(t) for t in texts], out_type=int, num_threads=1)
+        return [np.array(x, np.int32) for x in ids]
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        return self._sp.decode(np.asarray(ids).tolist())
+
+    def identity(self) -> dict:
+        return _identity("sentencepiece", self.name, self.vocab_size, self.eos_id, self.bos_id,
+                         self._data)
+
+    def __reduce__(self):
+        return _reload, (self._spec, self._kwargs)
+
+    def __repr__(self) -> str:
+        return f"SentencePieceTokenizer({self._spec!r})"
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer.json, run by tiktoken when it provably gives the same ids."""
+
+    kind = "hf"
+
+    def __init__(self, path: str, data: bytes, *, fast: bool, eos: str | None, bos: str | None):
+        from tokenizers import Tokenizer as HFTok
+
+        self._spec, self._kwargs = path, {"fast": fast, "eos": eos, "bos": bos}
+        self._data, self.name = data, os.path.basename(path)
+        try:
+            self._hf = HFTok.from_str(data.decode("utf-8"))
+            config = json.loads(data)
+        except Exception as e:
+            raise TokenizerError(f"{path}: not a Hugging Face tokenizer.json: {e}") from e
+        self._hf.no_truncation()  # a file's max_length (e.g. 512) must not cut documents
+        self._hf.no_padding()
+        vocab = self._hf.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1
+        specials = [t["content"] for t in config.get("added_tokens") or [] if t.get("special")]
+        self.eos_id = self._token_id(eos, "eos", EOS_CANDIDATES, specials)
+        self.bos_id = self._token_id(bos, "bos", BOS_CANDIDATES, specials)
+        if self.eos_id is None:
+            raise TokenizerError(f"{path} has no EOS token; pass eos='…' "
+                                 f"(its special tokens: {specials[:20]})")
+        self._enc, self._lut, self._allowed = None, None, frozenset()
+        self.engine, self.fallback_reason = "tokenizers", "fast=False"
+        if fast:
+            try:
+                self._enc, self._lut, self._allowed = _tiktoken_twin(self._hf, config, self.name)
+                self.engine, self.fallback_reason = "tiktoken", None
+            except _NoFastPath as e:
+                self.fallback_reason = str(e)
+                message = f"tokenmill: {path}: encoding with tokenizers, not tiktoken: {e}"
+                if message not in _WARNED:
+                    _WARNED.add(message)
+                    warnings.warn(message, stacklevel=3)
+
+    def _token_id(self, text: str | None, what: str, candidates: tuple, specials: list):
+        if text is not None:
+            token_id = self._hf.token_to_id(text)
+            if token_id is None:
+                raise TokenizerError(f"{self._spec}: {what}={text!r} is not in its vocabulary")
+            return token_id
+        found = [c for c in candidates if c in specials]
+        return self._hf.token_to_id(found[0]) if found else None
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        if self._enc is not None:
+            ids = [_encode_np(self._enc, t, self._allowed) for t in texts]
+            return ids if self._lut is None else [self._lut[x] for x in ids]
+        return _hf_encode(self._hf, list(texts))
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        return self._hf.decode(np.asarray(ids).tolist(), skip_special_tokens=False)
+
+    def identity(self) -> dict:  # engine left out: both engines give the same ids
+        return _identity("hf", self.name, self.vocab_size, self.eos_id, self.bos_id, self._data)
+
+    def __reduce__(self):
+        return _reload, (self._spec, self._kwargs)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self._spec!r}, engine={self.engine!r})"
+
+
+def _hf_encode(hf, texts: list) -> list[np.ndarray]:
+    batch = getattr(hf, "encode_batch_fast", hf.encode_batch)  # _fast: no offsets (tokenizers>=0.20)
+    try:
+        encodings = batch(texts, add_special_tokens=False)
+    except (TypeError, UnicodeEncodeError):  # lone surrogates reach Rust as invalid str
+        encodings = batch([_scrub(t) for t in texts], add_special_tokens=False)
+    return [np.array(e.ids, np.uint32) for e in encodings]
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast path: an equivalent tiktoken Encoding for a byte-level BPE tokenizer.json
+
+
+class _NoFastPath(Exception):
+    """Why a tokenizer.json cannot be run by tiktoken."""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table that byte-level vocab strings are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _tiktoken_twin(hf, config: dict, name: str):
+    """(Encoding, id lookup table or None, added tokens to split on), or raise _NoFastPath."""
+    import tiktoken
+
+    model = config.get("model") or {}
+    _check_model(model)
+    pat_str = _pattern(config.get("pre_tokenizer"))
+    normalizer = config.get("normalizer")
+    if normalizer and not (normalizer.get("type") == "Sequence" and not normalizer.get("normalizers")):
+        raise _NoFastPath(f"normalizer {normalizer.get('type')} changes text before BPE")
+    added = _added_tokens(hf, config)
+    ranks, result_order = _merge_ranks(model, added)
+    _check_whole_tokens(hf, model, result_order)
+    vocab = model["vocab"]
+    ids_in_order = [vocab[t] for t in result_order]
+    if all(a < b for a, b in zip(ids_in_order, ids_in_order[1:])):
+        lut = None  # ids rise with merge priority: they are the ranks
+        mergeable = {b: vocab[t] for t, b in ranks.items()}
+        specials = {t["content"]: t["id"] for t in added}
+    else:  # rank = merge position; map ranks back to ids after encoding
+        order = {t: i for i, t in enumerate(result_order)}
+        mergeable = {b: (b[0] if len(b) == 1 else 256 + order[t]) for t, b in ranks.items()}
+        specials = {t["content"]: 256 + len(order) + i for i, t in enumerate(added)}
+        lut = np.zeros(256 + len(order) + len(added), np.uint32)
+        for t, b in ranks.items():
+            lut[mergeable[b]] = vocab[t]
+        for t in added:
+            lut[specials[t["content"]]] = t["id"]
+    try:
+        enc = tiktoken.Encoding(f"tokenmill-{name}", pat_str=pat_str, mergeable_ranks=mergeable,
+                                special_tokens=specials)
+    except BaseException as e:  # fancy-regex rejects some Oniguruma syntax; the core may panic
+        raise _NoFastPath(f"tiktoken cannot build it: {e}") from None
+    allowed = frozenset(specials)
+    _prove(hf, enc, lut, allowed)
+    return enc, lut, allowed
+
+
+def _check_model(model: dict) -> None:
+    if model.get("type") != "BPE":
+        raise _NoFastPath(f"model is {model.get('type')}, not BPE")
+    for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix"):
+        if model.get(key):
+            raise _NoFastPath(f"BPE {key}={model[key]!r}")
+
+
+def _pattern(pre: dict | None) -> str:
+    """tiktoken's pat_str for a pre-tokenizer it can reproduce."""
+    from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's regex, possessive form
+
+    steps = []
+    for step in [pre] if pre else []:
+        steps += step.get("pretokenizers", []) if step.get("type") == "Sequence" else [step]
+
+    def byte_level(step: dict, use_regex: bool) -> bool:
+        return (step.get("type") == "ByteLevel" and step.get("use_regex", True) == use_regex
+                and not step.get("add_prefix_space", True))
+
+    if len(steps) == 1 and byte_level(steps[0], True):
+        return r50k_pat_str
+    if (len(steps) == 2 and steps[0].get("type") == "Split" and byte_level(steps[1], False)
+            and "Regex" in steps[0].get("pattern", {})
+            and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert")):
+        return steps[0]["pattern"]["Regex"]
+    shown = [s.get("type") for s in steps]
+    raise _NoFastPath(f"pre-tokenizer {shown} is not ByteLevel(use_regex=True) or "
+                      "[Split(Regex, Isolated), ByteLevel(use_regex=False)] without prefix space")
+
+
+def _added_tokens(hf, config: dict) -> list[dict]:
+    """Added tokens, which tokenizers splits the text on before BPE; checked tiktoken can too."""
+    if hf.encode_special_tokens:
+        raise _NoFastPath("encode_special_tokens=True")
+    added = config.get("added_tokens") or []
+    for t in added:
+        if t.get("lstrip") or t.get("rstrip") or t.get("single_word"):
+            raise _NoFastPath(f"added token {t['content']!r} has lstrip/rstrip/single_word")
+    contents = sorted(t["content"] for t in added)
+    for a, b in zip(contents, contents[1:]):  # sorted: a prefix of any is a prefix of the next
+        if b.startswith(a):  # tokenizers takes the longest match, tiktoken the first
+            raise _NoFastPath(f"added token {a!r} is a prefix of {b!r}")
+    if len({bool(t.get("normalized")) for t in added}) > 1:  # two matching passes in tokenizers
+        if len(contents) > 1000:
+            raise _NoFastPath(f"{len(contents)} added tokens, some normalized, some not")
+        for a in contents:
+            for b in contents:
+                if a != b and (a in b or any(b.startswith(a[i:]) for i in range(1, len(a)))):
+                    raise _NoFastPath(f"added tokens {a!r} and {b!r} overlap")
+    return added
+
+
+def _merge_ranks(model: dict, added: list[dict]) -> tuple[dict[str, bytes], list[str]]:
+    """Vocab string -> bytes for the byte symbols and merge results, and the results in order."""
+    unicode_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+    vocab, added_ids = model.get("vocab") or {}, {t["id"] for t in added}
+    missing = [c for c in unicode_to_byte if c not in vocab]
+    if missing:
+        raise _NoFastPath(f"{len(missing)} of the 256 byte symbols are not in the vocab "
+                          f"(e.g. {missing[0]!r}): not a byte-level vocab")
+    ranks = {c: bytes([b]) for c, b in unicode_to_byte.items()}
+    result_order: list[str] = []
+    for i, merge in enumerate(model.get("merges") or []):
+        pair = merge.split(" ") if isinstance(merge, str) else merge
+        token = "".join(pair)
+        if len(pair) != 2 or token not in vocab:
+            raise _NoFastPath(f"merge {i} {merge!r} does not make a vocab token")
+        if result_order and token == result_order[-1]:
+            continue
+        if token in ranks:  # made again after other merges: its priority is not one rank
+            raise _NoFastPath(f"merge {i} {merge!r} makes {token!r} again after other merges")
+        try:
+            ranks[token] = bytes(unicode_to_byte[c] for c in token)
+        except KeyError:
+            raise _NoFastPath(f"vocab token {token!r} is not byte-level") from None
+        result_order.append(token)
+    orphans = [t for t, i in vocab.items() if t not in ranks and i not in added_ids]
+    if orphans and model.get("ignore_merges"):  # tokenizers would emit them for whole words
+        raise _NoFastPath(f"{len(orphans)} vocab tokens (e.g. {orphans[0]!r}) come from no merge")
+    return ranks, result_order
+
+
+def _check_whole_tokens(hf, model: dict, result_order: list[str]) -> None:
+    """tiktoken emits a piece found in the vocab as is; tokenizers (ignore_merges=False) merges."""
+    if model.get("ignore_merges"):
+        return
+    vocab = model["vocab"]
+    for token in result_order:
+        got = [t.id for t in hf.model.tokenize(token)]
+        if got != [vocab[token]]:
+            raise _NoFastPath(f"vocab token {token!r} does not encode to itself ({got})")
+
+
+_PROOF_SAMPLE = (
+    "It's John's book; they'll say we've done what I'd've thought. DON'T shout, you're RIGHT'S.",
+    "x'S 'll 're 'VE 'd 'M 'T  ''quoted'' \"double\" — em dash – en dash … ellipsis",
+    "def f(x):\n    return x ** 2  # square\n\n\n\tif x:\n\t\tpass\n    \n  \n",
+    "1234567890 3.14159 1,000,000 2024-06-01T12:30:00Z 0x1F 1e-9 -42 +7 ½ ٣٤٥ Ⅻ ①②",
+    "12345678901234567890 00 007 9999999 v1.2.3 $19.99 100% 10^6 2³ ²",
+    "a  b   c    d\n\n\n  \n\t \t end   ", "   leading", "trailing   ", "\n", " ", "  ", "",
+    "\r\n\r\nwindows line\r\nends\r\n", "\x0b\x0c form feed \x00\x01\x7f controls",
+    "\u00a0nbsp\u2003em space\u3000ideographic\u200bzero width\u2028line sep\u2029para",
+    "😀👍🏽 👨‍👩‍👧 🇫🇷🇯🇵 ❤️ ✨🎉", "日本語のテキスト、中文文本。한국어 텍스트입니다.",
+    "Ça va? naïve café, Straße, façade, ÅÄÖ åäö, e\u0301 combining, ǅ title, ﬁ ligature",
+    "Привет, мир! Γειά σου κόσμε. مرحبا بالعالم. नमस्ते दुनिया। สวัสดีชาวโลก שלום",
+    "<html><body class=\"x\">&amp; <|endoftext|> <s> </s> [CLS]</body></html>",
+    "!!!???...---*** $var @user #tag ~/path/to/file.txt C:\\Users\\me https://x.io/?a=1&b=2",
+    "a" * 60 + " " + "=" * 80 + " " * 100 + "\n" * 10 + "ab" * 40,
+    "abc123def456 x1 1x ..1.. __init__ camelCaseWord snake_case_word SHOUTING_CASE",
+    "Mixed\tTabs \t\n\t\nand  \n spaces   \n\n\nend.\n",
+)
+
+
+def _prove(hf, enc, lut, allowed: frozenset) -> None:
+    """Both engines must give identical ids on the built-in sample, or no fast path."""
+    sample = list(_PROOF_SAMPLE)
+    sample += [f"x{a}y {a} {a}{a}\n{a}." for a in sorted(allowed)[:300]]
+    sample.append("\n".join(sample))
+    want = _hf_encode(hf, sample)
+    for text, w in zip(sample, want):
+        got = _encode_np(enc, text, allowed)
+        if lut is not None:
+            got = lut[got]
+        if not np.array_equal(got, w):
+            raise _NoFastPath(f"tiktoken and tokenizers disagree on {text[:60]!r}")

@@ -1,0 +1,483 @@
+"""sources: every format, listing, unit planning (units read one by one == the whole file), bad input."""
+
+import gzip
+import json
+import os
+import pickle
+import uuid
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenmill import sources
+from tokenmill.errors import ConfigError, InputError
+from tokenmill.sources import (REASONS, SourceConfig, Skip, Unit, format_of, list_files, plan_units,
+                               read_documents, read_unit)
+
+TEXTS = [f"doc {i} é✓ 🚀" for i in range(12)]  # each document names its own position
+
+
+def write(path, data) -> str:
+    """Write bytes or str (UTF-8) to path, creating parents; return the path as str."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+    return str(path)
+
+
+def jsonl(texts, key="text") -> bytes:
+    return "".join(json.dumps({key: t, "id": i}) + "\n" for i, t in enumerate(texts)).encode()
+
+
+def write_parquet(path, texts, row_group_size=3) -> str:
+    pq.write_table(pa.table({"text": pa.array(texts, pa.string()), "n": list(range(len(texts)))}),
+                   str(path), row_group_size=row_group_size)
+    return str(path)
+
+
+def events(inputs, **kw) -> list:
+    return list(read_documents(inputs, SourceConfig(**kw)))
+
+
+def by_units(files, **kw) -> list:
+    """Read every unit separately (as prepare's workers do) and concatenate."""
+    config = SourceConfig(**kw)
+    return [e for u in plan_units(files, config) for e in read_unit(u, config)]
+
+
+def shape(items) -> list:
+    """Documents as they are; skips as (where, reason)."""
+    return [(e.where, e.reason) if isinstance(e, Skip) else e for e in items]
+
+
+# ---- formats ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,fmt", [("a.txt", "txt"), ("d/a.jsonl", "jsonl"), ("A.JSONL.GZ", "jsonl.gz"),
+                                      ("s3://b/a.jsonl.zst", "jsonl.zst"), ("x.parquet", "parquet")])
+def test_format_of(name, fmt):
+    assert format_of(name) == fmt
+
+
+def test_format_of_unknown_names_file_and_supported():
+    with pytest.raises(InputError, match=r"data/a\.csv: unsupported.*\.jsonl\.gz.*\.parquet"):
+        format_of("data/a.csv")
+
+
+@pytest.mark.parametrize("kw,shown", [({"txt_mode": "words"}, "'words'"), ({"on_error": "ignore"}, "'ignore'"),
+                                      ({"unit_bytes": 0}, "unit_bytes=0"), ({"text_key": ""}, "text_key=''"),
+                                      ({"storage_options": [1]}, "[1]")])
+def test_config_rejects_bad_values(kw, shown):
+    with pytest.raises(ConfigError, match=f".*{shown}"):
+        SourceConfig(**kw)
+
+
+def test_config_unit_skip_pickle():
+    for obj in (SourceConfig(on_error="skip", storage_options={"anon": True}), Unit("a.jsonl", 0, 5),
+                Skip("a", "line 1", "malformed_json", "x")):
+        assert pickle.loads(pickle.dumps(obj)) == obj
+
+
+def test_txt_file_mode_verbatim(tmp_path):
+    a = write(tmp_path / "a.txt", "line one\r\nline two\n\n")
+    b = write(tmp_path / "b.txt", "no newline é")
+    assert events(str(tmp_path)) == ["line one\r\nline two\n\n", "no newline é"]
+    assert plan_units([a, b], SourceConfig(unit_bytes=1)) == [Unit(a, 0, -1), Unit(b, 0, -1)]
+
+
+def test_txt_lines_mode(tmp_path):
+    p = write(tmp_path / "a.txt", "a\r\nb\n\n  \nc")
+    want = ["a", "b", Skip(p, "line 3", "empty_document", "empty line"), "  ", "c"]
+    assert events(p, txt_mode="lines") == want  # an empty line is a Skip even under "raise"
+    assert by_units([p], txt_mode="lines", unit_bytes=2) == want
+
+
+def test_txt_paragraphs_mode(tmp_path):
+    p = write(tmp_path / "a.txt", "\n\n p1a\r\np1b \r\n \t\n\np2\n\n\n\x0c\nlast\nline")
+    want = [" p1a\np1b ", "p2", "last\nline"]
+    assert events(p, txt_mode="paragraphs") == want
+    for unit_bytes in range(1, 12):
+        assert by_units([p], txt_mode="paragraphs", unit_bytes=unit_bytes) == want
+
+
+def test_paragraphs_look_back_over_long_lines(tmp_path):
+    text = "a\n" + " " * 20000 + "\nb\n" + "c" * 20000 + "\n\t\nd " * 3 + "\n\n" + "e" * 9000 + "\nf"
+    p = write(tmp_path / "a.txt", text)
+    want = ["a", "b\n" + "c" * 20000, "d ", "d ", "d ", "e" * 9000 + "\nf"]
+    assert events(p, txt_mode="paragraphs") == want
+    for unit_bytes in (100, 8191, 8193, 19999, 20003, 40000):
+        assert by_units([p], txt_mode="paragraphs", unit_bytes=unit_bytes) == want
+
+
+def test_jsonl_crlf_blank_lines_and_bom(tmp_path):
+    data = b"\xef\xbb\xbf" + jsonl(TEXTS[:2]).replace(b"\n", b"\r\n") + b"\n   \n\t\r\n" + jsonl(TEXTS[2:4])
+    p = write(tmp_path / "a.jsonl", data)
+    assert events(p) == TEXTS[:4]  # blank lines are ignored without a Skip
+    assert by_units([p], unit_bytes=7) == TEXTS[:4]
+
+
+def test_jsonl_text_key(tmp_path):
+    p = write(tmp_path / "a.jsonl", jsonl(TEXTS, key="content"))
+    assert events(p, text_key="content") == TEXTS
+
+
+@pytest.mark.parametrize("suffix,compress", [
+    ("jsonl.gz", gzip.compress),
+    ("jsonl.zst", lambda b: zstandard.ZstdCompressor().compress(b)),
+    ("jsonl.zst", lambda b: b"".join(zstandard.ZstdCompressor().compress(b[i:i + 50])  # many frames
+                                     for i in range(0, len(b), 50)))])
+def test_compressed_jsonl_is_one_unit(tmp_path, suffix, compress):
+    p = write(tmp_path / f"a.{suffix}", compress(jsonl(TEXTS)))
+    assert plan_units([p], SourceConfig(unit_bytes=1)) == [Unit(p, 0, -1)]
+    assert events(p) == TEXTS
+
+
+def test_parquet_units_are_row_groups(tmp_path):
+    p = write_parquet(tmp_path / "a.parquet", TEXTS, row_group_size=3)  # 4 row groups
+    units = plan_units([p], SourceConfig(unit_bytes=1))
+    assert units == [Unit(p, g, g + 1) for g in range(4)]
+    for g, unit in enumerate(units):
+        assert list(read_unit(unit, SourceConfig())) == TEXTS[3 * g: 3 * g + 3]
+    assert plan_units([p], SourceConfig()) == [Unit(p, 0, 4)]  # tiny groups are grouped
+    assert events(p) == TEXTS
+
+
+@pytest.mark.parametrize("column", [pa.array(TEXTS, pa.large_string()), pa.array(TEXTS).dictionary_encode()])
+def test_parquet_string_like_columns(tmp_path, column):
+    pq.write_table(pa.table({"text": column}), str(tmp_path / "a.parquet"), row_group_size=5)
+    assert events(str(tmp_path / "a.parquet")) == TEXTS
+
+
+# ---- listing -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def tree(tmp_path):
+    write(tmp_path / "d" / "b.jsonl", jsonl(["b"]))
+    write(tmp_path / "d" / "sub" / "a.txt", "a")
+    write(tmp_path / "d" / "sub" / "notes.md", "ignored")
+    write(tmp_path / "d" / "c.jsonl.gz", gzip.compress(jsonl(["c"])))
+    write_parquet(tmp_path / "z.parquet", ["z"])
+    return tmp_path
+
+
+def test_list_directory_recursive_sorted(tree):
+    files, skips = list_files(str(tree / "d"))
+    assert files == sorted(str(tree / "d" / n) for n in ("b.jsonl", "c.jsonl.gz", "sub/a.txt")) and skips == []
+    assert events(str(tree / "d")) == ["b", "c", "a"]
+
+
+def test_list_globs_dedup_and_order(tree):
+    t = str(tree)
+    files, _ = list_files([f"{t}/z.parquet", f"{t}/**/*.jsonl*", f"{t}/d/./b.jsonl", f"{t}/d/*"])
+    assert files == [f"{t}/d/b.jsonl", f"{t}/d/c.jsonl.gz", f"{t}/d/sub/a.txt", f"{t}/z.parquet"]
+
+
+def test_list_missing_input(tree):
+    missing = str(tree / "nope" / "*.jsonl")
+    with pytest.raises(InputError, match=r"nope/\*\.jsonl: no file matched") as e:
+        list_files([str(tree / "z.parquet"), missing])
+    assert e.value.reason == "no_match" and e.value.path == missing
+    files, skips = list_files([str(tree / "z.parquet"), missing], on_error="skip")
+    assert files == [str(tree / "z.parquet")]
+    assert skips == [Skip(missing, "file", "no_match", "no supported file matches")]
+    assert events([str(tree / "z.parquet"), missing], on_error="skip") == [skips[0], "z"]
+
+
+def test_list_nothing_matched_is_always_an_error(tmp_path):
+    write(tmp_path / "readme.md", "x")
+    with pytest.raises(InputError, match=f"{tmp_path}: no file matched .no supported file inside"):
+        list_files([str(tmp_path), str(tmp_path / "x.jsonl")])
+    with pytest.raises(InputError, match="no input file matched: "):
+        list_files([str(tmp_path), str(tmp_path / "x.jsonl")], on_error="skip")
+
+
+def test_list_named_file_of_unknown_type(tmp_path):
+    with pytest.raises(InputError, match="unsupported file type"):
+        list_files(write(tmp_path / "a.csv", "x"))
+
+
+def test_file_urls(tree):
+    url = f"file://{tree}/d"
+    files, _ = list_files(url)
+    assert files == [f"file://{tree}/d/b.jsonl", f"file://{tree}/d/c.jsonl.gz", f"file://{tree}/d/sub/a.txt"]
+    assert events(url) == ["b", "c", "a"]
+
+
+@pytest.fixture
+def memfs():
+    fs, root = fsspec.filesystem("memory"), f"/tm-{uuid.uuid4().hex}"
+    yield fs, root
+    fs.rm(root, recursive=True)
+
+
+def test_memory_urls(memfs):
+    fs, root = memfs
+    fs.pipe(f"{root}/a.jsonl", jsonl(TEXTS[:6]))
+    fs.pipe(f"{root}/b.jsonl.gz", gzip.compress(jsonl(TEXTS[6:8])))
+    fs.pipe(f"{root}/c/d.txt", b"x\n\ny")
+    with fs.open(f"{root}/e.parquet", "wb") as f:
+        pq.write_table(pa.table({"text": TEXTS[8:]}), f, row_group_size=1)
+    files, _ = list_files(f"memory://{root}")
+    assert files == [f"memory://{root}/{n}" for n in ("a.jsonl", "b.jsonl.gz", "c/d.txt", "e.parquet")]
+    want = TEXTS[:8] + ["x", "y"] + TEXTS[8:]
+    assert events(f"memory://{root}", txt_mode="paragraphs") == want
+    assert by_units(files, txt_mode="paragraphs", unit_bytes=20) == want
+    assert len(plan_units(files, SourceConfig(unit_bytes=20))) > 8
+    assert list_files(f"memory://{root}/*.jsonl*")[0] == files[:2]
+
+
+# ---- units read one by one == the whole file ---------------------------------------------------
+
+LINE_CHARS = st.sampled_from(["a", "é", "✓", "🚀", " ", "\t", "\r", "\x0c", '"', "\\", "{"])
+EOLS = st.sampled_from([b"\n", b"\r\n"])
+
+
+def join_lines(lines: list[bytes], eols: list[bytes], trailing: bool) -> bytes:
+    out = b"".join(line + eol for line, eol in zip(lines, eols))
+    return out if trailing or not lines else out[:-len(eols[len(lines) - 1])]
+
+
+def line_oracle(data: bytes, mode: str) -> list:
+    """What reading a .txt in lines/paragraphs mode must give, written the obvious way."""
+    lines = data.split(b"\n")
+    if data.endswith(b"\n"):
+        lines.pop()
+    out, para, bad = [], [], None
+    for n, raw in enumerate(lines, 1):
+        raw = raw[:-1] if raw.endswith(b"\r") else raw
+        try:
+            line = raw.decode()
+        except UnicodeDecodeError:
+            line = None
+        if mode == "lines":
+            out.append(line if line else (f"line {n}", "invalid_utf8" if line is None else "empty_document"))
+        elif line is not None and not line.strip(" \t\r\f\v"):
+            if para:
+                out.append(bad or "\n".join(para))
+            para, bad = [], None
+        else:
+            bad = bad or (None if line is not None else (f"line {n}", "invalid_utf8"))
+            para.append(line or "")
+    if para:
+        out.append(bad or "\n".join(para))
+    return out
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=st.lists(st.one_of(st.text(LINE_CHARS, max_size=6).map(str.encode), st.just(b"\xff\xfe")),
+                      max_size=14),
+       eols=st.lists(EOLS, min_size=14, max_size=14), trailing=st.booleans(), data=st.data(),
+       mode=st.sampled_from(["lines", "paragraphs"]))
+def test_txt_units_concatenate_to_whole_file(tmp_path, monkeypatch, lines, eols, trailing, data, mode):
+    monkeypatch.setattr(sources, "_CHUNK", data.draw(st.sampled_from([2, 3, 5, 64, 1 << 20])))
+    raw = join_lines(lines, eols, trailing)
+    p = write(tmp_path / "a.txt", raw)
+    whole = list(read_unit(Unit(p, 0, -1), SourceConfig(txt_mode=mode, on_error="skip")))
+    if raw:
+        assert shape(whole) == line_oracle(raw, mode)
+    unit_bytes = data.draw(st.integers(1, len(raw) + 2))
+    assert by_units([p], txt_mode=mode, on_error="skip", unit_bytes=unit_bytes) == (
+        whole if raw else [Skip(p, "file", "empty_file", "0 bytes")])
+
+
+TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=8)  # any unicode, "\n" included
+RECORDS = st.one_of(
+    TEXT.map(lambda t: (t, json.dumps({"text": t}).encode())),
+    TEXT.map(lambda t: (t, json.dumps({"text": t}, ensure_ascii=False).encode())),
+    st.sampled_from([(("malformed_json",), b'{"text": oops}'), (("missing_field",), b'{"body": "x"}'),
+                     (("non_string_field",), b'{"text": 3}'), (("invalid_utf8",), b'{"text": "\xff"}'),
+                     (None, b""), (None, b"  \t")]))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(records=st.lists(RECORDS, max_size=12), eols=st.lists(EOLS, min_size=12, max_size=12),
+       trailing=st.booleans(), data=st.data())
+def test_jsonl_units_concatenate_to_whole_file(tmp_path, monkeypatch, records, eols, trailing, data):
+    monkeypatch.setattr(sources, "_CHUNK", data.draw(st.sampled_from([2, 3, 5, 64, 1 << 20])))
+    raw = join_lines([r for _, r in records], eols, trailing)
+    p = write(tmp_path / "a.jsonl", raw)
+    want = []
+    for n, (kind, _) in enumerate(records, 1):
+        if isinstance(kind, str):
+            want.append(kind or (f"line {n}", "empty_document"))
+        elif kind:
+            want.append((f"line {n}", kind[0]))
+    whole = list(read_unit(Unit(p, 0, -1), SourceConfig(on_error="skip")))
+    if raw:
+        assert shape(whole) == want
+    unit_bytes = data.draw(st.integers(1, len(raw) + 2))
+    assert by_units([p], on_error="skip", unit_bytes=unit_bytes) == (
+        whole if raw else [Skip(p, "file", "empty_file", "0 bytes")])
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+BAD_JSONL = [("malformed_json", b'{"text": "x" "y"}', "Expecting ',' delimiter: column 14"),
+             ("malformed_json", b"[1, 2]", "expected a JSON object, got an array"),
+             ("malformed_json", b'"just text"', "expected a JSON object, got a string"),
+             ("missing_field", b'{"body": "x", "id": 1}', "no 'text' key; keys are 'body', 'id'"),
+             ("non_string_field", b'{"text": null}', "'text' is null"),
+             ("non_string_field", b'{"text": 5}', "'text' is a number"),
+             ("non_string_field", b'{"text": ["a"]}', "'text' is an array"),
+             ("invalid_utf8", b'{"text": "caf\xe9"}', "invalid continuation byte at column 14")]
+
+
+@pytest.mark.parametrize("reason,line,detail", BAD_JSONL)
+def test_bad_jsonl_line(tmp_path, reason, line, detail):
+    p = write(tmp_path / "a.jsonl", jsonl([f"g{i}" for i in range(40)]) + line + b"\n" + jsonl(TEXTS))
+    assert plan_units([p], SourceConfig(unit_bytes=64))[-1].start > 0  # the bad line is mid-file
+    with pytest.raises(InputError) as e:
+        events(p, unit_bytes=64)
+    assert str(e.value).startswith(f"{p}:41: ") and detail in str(e.value)
+    assert str(e.value).endswith("; fix the line or pass --on-error skip")
+    assert (e.value.path, e.value.where, e.value.reason) == (p, "line 41", reason)
+    want = [f"g{i}" for i in range(40)] + [Skip(p, "line 41", reason, detail)] + TEXTS
+    assert events(p, unit_bytes=64, on_error="skip") == want
+    assert events(p, on_error="skip") == want
+
+
+def test_malformed_json_message(tmp_path):
+    p = write(tmp_path / "a.jsonl", b'{"text": "a"}\n{"text": "x" "y"}\n')
+    with pytest.raises(InputError, match=r"a\.jsonl:2: malformed JSON \(Expecting ',' delimiter: column 14\); "
+                                         r"fix the line or pass --on-error skip$"):
+        events(p)
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_empty_documents_are_always_skipped(tmp_path, policy):
+    j = write(tmp_path / "a.jsonl", jsonl(["a", "", "b"]))
+    pq_ = write_parquet(tmp_path / "b.parquet", ["c", "", "d"], row_group_size=2)
+    t = write(tmp_path / "c.txt", "e\n\nf\n")
+    assert events(str(tmp_path), on_error=policy, txt_mode="lines") == [
+        "a", Skip(j, "line 2", "empty_document", "'text' is empty"), "b",
+        "c", Skip(pq_, "row 2 (row group 0)", "empty_document", "'text' is empty"), "d",
+        "e", Skip(t, "line 2", "empty_document", "empty line"), "f"]
+
+
+@pytest.mark.parametrize("mode,data,where", [("lines", b"ok\nok\nbad\xff\nok", "line 3"),
+                                             ("paragraphs", b"ok\n\npara\nbad\xff\nstill\n\nok", "line 4"),
+                                             ("file", b"ok\nok\nbad\xff\nok", "line 3")])
+def test_invalid_utf8_txt(tmp_path, mode, data, where):
+    p = write(tmp_path / "a.txt", data)
+    with pytest.raises(InputError, match=f"a.txt:{where[5:]}: invalid UTF-8 .invalid start byte at column 4") as e:
+        events(p, txt_mode=mode)
+    assert e.value.reason == "invalid_utf8"
+    got = events(p, txt_mode=mode, on_error="skip")
+    assert Skip(p, where, "invalid_utf8", "invalid start byte at column 4") in got
+    assert [x for x in got if isinstance(x, str)] == {"lines": ["ok", "ok", "ok"], "paragraphs": ["ok", "ok"],
+                                                      "file": []}[mode]
+
+
+def empty_parquet(path):
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: write(d / "e.jsonl", b""), lambda d: write(d / "e.txt", b""),
+    lambda d: write(d / "e.jsonl.gz", gzip.compress(b"")),
+    lambda d: write(d / "e.jsonl.zst", zstandard.ZstdCompressor().compress(b"")),
+    lambda d: empty_parquet(d / "e.parquet")])
+@pytest.mark.parametrize("mode", ["file", "lines"])
+def test_empty_file(tmp_path, make, mode):
+    p = make(tmp_path)
+    good = write(tmp_path / "good.jsonl", jsonl(["g"]))
+    with pytest.raises(InputError, match=f"{p}: empty file") as e:
+        events(p, txt_mode=mode)
+    assert (e.value.reason, e.value.where) == ("empty_file", "file")
+    assert shape(events([p, good], txt_mode=mode, on_error="skip")) == [("file", "empty_file"), "g"]
+
+
+@pytest.mark.parametrize("name,data", [("a.jsonl", jsonl(TEXTS) + b'{"text": "\x00"}\n' + jsonl(TEXTS)),
+                                       ("a.txt", b"text\x00text\n" * 50)])
+def test_binary_file(tmp_path, name, data):
+    p = write(tmp_path / name, data)
+    with pytest.raises(InputError, match=f"{name}: binary file") as e:
+        events(p, txt_mode="lines")
+    assert e.value.reason == "binary_file"
+    assert by_units([p], txt_mode="lines", on_error="skip", unit_bytes=40) == [
+        Skip(p, "file", "binary_file", f"NUL byte at offset {data.index(0)}")]  # once, not per unit
+
+
+def test_vanished_file_is_unreadable(tmp_path):
+    p = write(tmp_path / "a.jsonl", jsonl(TEXTS))
+    files, _ = list_files(p)
+    os.remove(p)
+    with pytest.raises(InputError, match=f"{p}: cannot read file .FileNotFoundError") as e:
+        plan_units(files, SourceConfig())
+    assert e.value.reason == "unreadable"
+    units = plan_units(files, SourceConfig(on_error="skip"))
+    assert shape(read_unit(units[0], SourceConfig(on_error="skip"))) == [("file", "unreadable")]
+    with pytest.raises(InputError, match="cannot read file"):
+        list(read_unit(Unit(p, 10, 20), SourceConfig()))
+
+
+def test_directory_named_like_a_file_is_unreadable(tmp_path):
+    (tmp_path / "d.jsonl").mkdir()
+    assert shape(read_unit(Unit(str(tmp_path / "d.jsonl"), 0, -1), SourceConfig(on_error="skip"))) == [
+        ("file", "unreadable")]
+
+
+def test_permission_denied_is_unreadable(tmp_path, monkeypatch):
+    p = write(tmp_path / "a.txt", "x")
+    denied = PermissionError(13, "Permission denied", p)
+
+    def deny(*args, **kwargs):
+        raise denied
+    monkeypatch.setattr(sources, "open", deny, raising=False)  # root may read any file: simulate
+    assert events(p, on_error="skip") == [Skip(p, "file", "unreadable", f"PermissionError: {denied}")]
+    with pytest.raises(InputError, match=f"{p}: cannot read file .PermissionError.*; "
+                                         "check that it exists and is readable, or pass --on-error skip"):
+        events(p)
+
+
+def truncated(b: bytes) -> bytes:
+    return b[: len(b) // 2]
+
+
+def garbled(b: bytes) -> bytes:
+    return b[:20] + bytes(x ^ 0x5A for x in b[20:-20]) + b[-20:]
+
+
+BIG = jsonl([f"doc {i} " + "x" * (i % 50) for i in range(3000)])
+
+
+@pytest.mark.parametrize("name,data", [
+    ("a.jsonl.gz", truncated(gzip.compress(BIG))), ("a.jsonl.gz", garbled(gzip.compress(BIG))),
+    ("a.jsonl.gz", BIG), ("a.jsonl.zst", truncated(zstandard.ZstdCompressor().compress(BIG))),
+    ("a.jsonl.zst", garbled(zstandard.ZstdCompressor().compress(BIG))), ("a.jsonl.zst", BIG),
+    ("a.jsonl.gz", b"\x1f\x8b" + b"\x00" * 30), ("a.parquet", b"PAR1 not really PAR1")])
+def test_corrupt_files_are_unreadable(tmp_path, name, data):
+    p = write(tmp_path / name, data)
+    good = write(tmp_path / "b.jsonl", jsonl(["good"]))
+    with pytest.raises(InputError, match=f"{name}: cannot read file") as e:
+        events([p, good])
+    assert (e.value.path, e.value.reason) == (p, "unreadable")
+    got = events([p, good], on_error="skip")
+    assert got[-2:] == [got[-2], "good"] and shape(got[-2:-1]) == [("file", "unreadable")]
+    assert got[:-2] == [json.loads(line)["text"] for line in BIG.splitlines()[:len(got) - 2]]  # a true prefix
+
+
+@pytest.mark.parametrize("table,reason,where,detail", [
+    (pa.table({"body": ["a"]}), "missing_field", "file", "no column 'text'; columns are body"),
+    (pa.table({"text": [1, 2]}), "non_string_field", "file", "column 'text' has type int64"),
+    (pa.table({"text": ["a", "b", "c", "d", None, "f"]}), "non_string_field", "row 5 (row group 1)", "'text' is null")])
+def test_bad_parquet(tmp_path, table, reason, where, detail):
+    p = str(tmp_path / "a.parquet")
+    pq.write_table(table, p, row_group_size=3)
+    with pytest.raises(InputError) as e:
+        events(p, unit_bytes=1)
+    assert (e.value.path, e.value.where, e.value.reason) == (p, where, reason) and detail in str(e.value)
+    got = events(p, unit_bytes=1, on_error="skip")
+    assert [x for x in got if isinstance(x, Skip)] == [Skip(p, where, reason, detail)]
+    if where != "file":
+        assert got == ["a", "b", "c", "d", Skip(p, where, reason, detail), "f"]
+
+
+def test_reasons_are_the_contract():
+    """prepare, the CLI and the manifest count skips by these names: only add, never rename."""
+    assert REASONS == ("malformed_json", "missing_field", "non_string_field", "invalid_utf8", "empty_document",
+                       "empty_file", "no_match", "unreadable", "binary_file")

@@ -1,0 +1,441 @@
+"""Tokenizers: exact ids per kind, the tiktoken fast path equal to tokenizers, documents, errors."""
+
+import base64
+import io
+import json
+import os
+import pickle
+import sysconfig
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tokenizers import Regex, Tokenizer as HFTok, decoders, models, normalizers  # noqa: E402
+from tokenizers import pre_tokenizers, trainers  # noqa: E402
+
+from tokenmill import tokenizer as tkz  # noqa: E402
+from tokenmill.errors import ConfigError, TokenizerError  # noqa: E402
+from tokenmill.tokenizer import (  # noqa: E402
+    encode_documents, load_tokenizer, token_dtype, train_bpe,
+)
+
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+MULTILINGUAL = [
+    "The quick brown fox doesn't jump; it's 3.14 times lazier than 1,000 dogs.\n",
+    "Ça va très bien, merci ! Straße, naïve café, façade, Åsa och Örjan.\n",
+    "日本語のテキストと中文文本、そして한국어 텍스트.\n",
+    "Привет, мир! Γειά σου κόσμε. مرحبا بالعالم. नमस्ते दुनिया।\n",
+    "emoji 😀👍🏽 👨‍👩‍👧 🇫🇷 ✨\n",
+    "    for i in range(10):\n        print(i ** 2)  # squares\n\n\n",
+]
+FRAGMENTS = ["<|endoftext|>", " ", "  ", "   ", "\n", "\n\n", "\r\n", "\t", "'s", "'S", "'ll",
+             "don't", "1234567", "3.14", "😀", "👨‍👩‍👧", "日本", "e\u0301", "\u00a0", "\u3000",
+             "def f(x):\n    return x\n", "Ġ", "<|endoftext", "|>", "<|endoftext|><|endoftext|>"]
+
+
+def training_texts() -> list[str]:
+    """Real text to train on: a few stdlib modules' sources plus some multilingual lines."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    names = ["textwrap.py", "string.py", "shlex.py", "fnmatch.py", "bisect.py", "heapq.py"]
+    return [(stdlib / n).read_text(encoding="utf-8") for n in names] + MULTILINGUAL * 20
+
+
+def texts_strategy():
+    piece = st.one_of(st.text(max_size=12), st.sampled_from(FRAGMENTS),
+                      st.text(alphabet=" \t\n\r'sSdl0123456789aA.,", max_size=12))
+    return st.lists(piece, max_size=12).map("".join)
+
+
+@pytest.fixture(scope="module")
+def gpt2_json(tmp_path_factory) -> str:
+    """A GPT-2-style byte-level BPE (vocab 800) trained by train_bpe."""
+    path = tmp_path_factory.mktemp("gpt2") / "tokenizer.json"
+    return train_bpe(training_texts(), 800, out_path=path)
+
+
+@pytest.fixture(scope="module")
+def llama3_json(tmp_path_factory) -> str:
+    """A Llama-3-style BPE: Split(regex, isolated) then ByteLevel(use_regex=False), ignore_merges."""
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(training_texts(), trainers.BpeTrainer(
+        vocab_size=700, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    config = json.loads(tok.to_str())
+    config["model"]["ignore_merges"] = True  # as in Meta's file
+    path = tmp_path_factory.mktemp("llama3") / "tokenizer.json"
+    path.write_text(json.dumps(config), encoding="utf-8")
+    return str(path)
+
+
+def edited(src: str, dst: Path, edit) -> str:
+    """A copy of tokenizer.json `src` at `dst` with `edit(config)` applied."""
+    config = json.loads(Path(src).read_text(encoding="utf-8"))
+    edit(config)
+    dst.write_text(json.dumps(config), encoding="utf-8")
+    return str(dst)
+
+
+def ids_of(tok, texts):
+    return [x.tolist() for x in tok.encode_batch(texts)]
+
+
+# ---- bytes --------------------------------------------------------------------------------------
+
+def test_bytes_exact_ids_and_constants():
+    tok = load_tokenizer("bytes")
+    assert (tok.kind, tok.engine, tok.vocab_size, tok.eos_id, tok.bos_id) == \
+        ("bytes", "bytes", 258, 256, 257)
+    out = tok.encode_batch(["hi", "é€😀", ""])
+    assert [x.tolist() for x in out] == [[104, 105], list("é€😀".encode()), []]
+    assert out[0].dtype == np.uint8
+    assert load_tokenizer().identity() == {"kind": "bytes", "name": "bytes", "vocab_size": 258,
+                                           "eos_id": 256, "bos_id": 257, "file_xxh3": None}
+
+
+@given(st.text())
+def test_bytes_round_trip(text):
+    tok = load_tokenizer("bytes")
+    assert tok.decode(tok.encode_batch([text])[0]) == text
+
+
+def test_bytes_decode_shows_specials_and_replaces_bad_utf8():
+    tok = load_tokenizer("bytes")
+    assert tok.decode([257, 104, 105, 256]) == "<|startoftext|>hi<|endoftext|>"
+    assert tok.decode(np.array([0xFF, 104], np.uint16)) == "\ufffdh"
+    with pytest.raises(TokenizerError, match="0..257"):
+        tok.decode([300])
+
+
+def test_lone_surrogates_do_not_crash(gpt2_json):
+    assert load_tokenizer("bytes").encode_batch(["a\ud800b"])[0].tolist() == \
+        list("a\ufffdb".encode())
+    fast, slow = load_tokenizer(gpt2_json), load_tokenizer(gpt2_json, fast=False)
+    texts = ["a\ud800b", "ok", "\ud83d\ude00 pair"]
+    assert ids_of(fast, texts) == ids_of(slow, texts) == ids_of(slow, [tkz._scrub(t) for t in texts])
+
+
+def test_bytes_rejects_eos_bos():
+    with pytest.raises(TokenizerError, match="fixed ids"):
+        load_tokenizer("bytes", eos="</s>")
+
+
+# ---- Hugging Face: fast path ------------------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["gpt2_json", "llama3_json"])
+def test_fast_path_engaged_and_equal_on_real_text(which, request):
+    path = request.getfixturevalue(which)
+    fast, slow = load_tokenizer(path), load_tokenizer(path, fast=False)
+    assert (fast.engine, fast.fallback_reason) == ("tiktoken", None)
+    assert slow.engine == "tokenizers" and fast.kind == slow.kind == "hf"
+    texts = training_texts() + list(tkz._PROOF_SAMPLE) + FRAGMENTS
+    assert ids_of(fast, texts) == ids_of(slow, texts)
+    assert fast.identity() == slow.identity()  # the store must not depend on the engine
+    assert fast.decode(fast.encode_batch([texts[0]])[0]) == texts[0]
+
+
+@settings(max_examples=150, deadline=None)
+@given(texts=st.lists(texts_strategy(), min_size=1, max_size=4))
+def test_fast_path_equals_tokenizers_gpt2(gpt2_json, texts):
+    fast, slow = load_tokenizer(gpt2_json), load_tokenizer(gpt2_json, fast=False)
+    assert ids_of(fast, texts) == ids_of(slow, texts)
+    assert [fast.decode(x) for x in fast.encode_batch(texts)] == texts
+
+
+@settings(max_examples=150, deadline=None)
+@given(texts=st.lists(texts_strategy(), min_size=1, max_size=4))
+def test_fast_path_equals_tokenizers_llama3(llama3_json, texts):
+    fast, slow = load_tokenizer(llama3_json), load_tokenizer(llama3_json, fast=False)
+    assert ids_of(fast, texts) == ids_of(slow, texts)
+
+
+def test_special_token_text_becomes_the_added_token(gpt2_json):
+    tok = load_tokenizer(gpt2_json)
+    ids = tok.encode_batch(["a<|endoftext|>b"])[0].tolist()
+    assert tok.eos_id in ids and ids == ids_of(load_tokenizer(gpt2_json, fast=False),
+                                               ["a<|endoftext|>b"])[0]
+
+
+def test_fast_path_maps_ids_when_they_do_not_follow_merge_order(gpt2_json, tmp_path):
+    def shuffle_ids(config):  # reverse the ids of the merged tokens: same BPE, other ids
+        vocab = config["model"]["vocab"]
+        merged = sorted((i, t) for t, i in vocab.items() if i >= 257)
+        for (i, t), (j, _) in zip(merged, reversed(merged)):
+            vocab[t] = j
+    path = edited(gpt2_json, tmp_path / "tokenizer.json", shuffle_ids)
+    fast, slow = load_tokenizer(path), load_tokenizer(path, fast=False)
+    assert fast.engine == "tiktoken" and fast._lut is not None
+    texts = training_texts()[:3] + ["x<|endoftext|>y"]
+    assert ids_of(fast, texts) == ids_of(slow, texts)
+    assert ids_of(fast, texts) != ids_of(load_tokenizer(gpt2_json), texts)
+
+
+def test_truncation_in_the_file_is_ignored(gpt2_json, tmp_path):
+    def truncate(config):
+        config["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst",
+                                "stride": 0}
+    path = edited(gpt2_json, tmp_path / "tokenizer.json", truncate)
+    want = ids_of(load_tokenizer(gpt2_json), MULTILINGUAL)
+    assert ids_of(load_tokenizer(path), MULTILINGUAL) == want
+    assert ids_of(load_tokenizer(path, fast=False), MULTILINGUAL) == want
+
+
+# ---- Hugging Face: where the fast path must refuse -------------------------------------------
+
+def load_warns(path, match):
+    """Load twice; exactly one warning, matching `match`; the tokenizer falls back."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tok = load_tokenizer(path)
+        load_tokenizer(path)
+    assert len(caught) == 1 and match in str(caught[0].message), [str(w.message) for w in caught]
+    assert tok.engine == "tokenizers" and match in tok.fallback_reason
+    return tok
+
+
+def test_refuses_normalizer(gpt2_json, tmp_path):
+    def lowercase(config):
+        config["normalizer"] = json.loads(normalizers.Lowercase().__getstate__())
+    path = edited(gpt2_json, tmp_path / "lower.json", lowercase)
+    tok = load_warns(path, "normalizer Lowercase")
+    assert ids_of(tok, ["ABC def"]) == ids_of(tok, ["abc def"])
+
+
+def test_refuses_wordpiece(tmp_path):
+    tok = HFTok(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(training_texts(), trainers.WordPieceTrainer(
+        vocab_size=300, special_tokens=["[UNK]", "</s>"], show_progress=False))
+    tok.save(str(tmp_path / "wp.json"))
+    tok = load_warns(str(tmp_path / "wp.json"), "model is WordPiece")
+    assert tok.eos_id == 1
+
+
+def test_refuses_when_the_proof_fails(tmp_path):
+    # Oniguruma's `$` is end of line, fancy-regex's end of text: "x  \ny" splits differently
+    pattern = r"\s+$|\s|\p{L}+|\p{N}+|[^\s\p{L}\p{N}]+"
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.train_from_iterator(training_texts(), trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    tok = load_warns(str(tmp_path / "tokenizer.json"), "disagree")
+    assert ids_of(tok, ["x  \ny"]) == ids_of(load_tokenizer(str(tmp_path / "tokenizer.json"),
+                                                            fast=False), ["x  \ny"])
+
+
+def test_refuses_prefix_space_and_stripping_added_tokens(gpt2_json, tmp_path):
+    def prefix_space(config):
+        config["pre_tokenizer"]["add_prefix_space"] = True
+    load_warns(edited(gpt2_json, tmp_path / "a.json", prefix_space), "pre-tokenizer")
+
+    def lstrip(config):
+        config["added_tokens"][0]["lstrip"] = True
+    load_warns(edited(gpt2_json, tmp_path / "b.json", lstrip), "lstrip")
+
+
+# ---- Hugging Face: EOS / BOS -----------------------------------------------------------------
+
+def test_hf_eos_bos_detection(gpt2_json, llama3_json, tmp_path):
+    assert load_tokenizer(gpt2_json).eos_id == 0 and load_tokenizer(gpt2_json).bos_id is None
+    llama = load_tokenizer(llama3_json)
+    assert (llama.bos_id, llama.eos_id) == (0, 1)
+    assert load_tokenizer(gpt2_json, eos="a", bos="<|endoftext|>").eos_id == \
+        load_tokenizer(gpt2_json, fast=False).encode_batch(["a"])[0][0]
+
+    def no_eos(config):
+        config["added_tokens"][0]["content"] = "<pad>"
+    with pytest.raises(TokenizerError, match="has no EOS token; pass eos="):
+        load_tokenizer(edited(gpt2_json, tmp_path / "t.json", no_eos))
+    with pytest.raises(TokenizerError, match="not in its vocabulary"):
+        load_tokenizer(gpt2_json, eos="<not-there>")
+
+
+# ---- tiktoken files --------------------------------------------------------------------------
+
+def write_tiktoken(hf_json: str, path: Path) -> Path:
+    """The HF BPE's byte tokens and merged tokens, ranked by their ids (what tiktoken needs)."""
+    config = json.loads(Path(hf_json).read_text(encoding="utf-8"))
+    decode = {c: b for b, c in tkz._bytes_to_unicode().items()}
+    added = {t["content"] for t in config["added_tokens"]}
+    lines = [f"{base64.b64encode(bytes(decode[c] for c in t)).decode()} {i}"
+             for t, i in config["model"]["vocab"].items() if t not in added]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_tiktoken_file_matches_fast_path(tmp_path):
+    # an HF BPE splitting like cl100k, the regex a .tiktoken file not named by OpenAI gets.
+    # Oniguruma reads cl100k's possessive `\p{N}{1,3}+` as "1-3 digits, repeated": drop the `+`
+    cl100k = tkz._openai_params("cl100k_base", {})["pat_str"]
+    hf = HFTok(models.BPE(ignore_merges=True))
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(cl100k.replace(r"\p{N}{1,3}+", r"\p{N}{1,3}")),
+                             behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.train_from_iterator(training_texts(), trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    fast = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert fast.engine == "tiktoken"
+    tok = load_tokenizer(str(write_tiktoken(str(tmp_path / "tokenizer.json"),
+                                            tmp_path / "mini.tiktoken")))
+    # ranks 1..599 (id 0 is <|endoftext|> in the HF file); EOS comes after the last rank
+    assert (tok.kind, tok.engine, tok.vocab_size, tok.eos_id, tok.bos_id) == \
+        ("tiktoken", "tiktoken", 601, 600, None)
+    texts = training_texts() + FRAGMENTS[1:-3]  # no special-token strings: tiktoken keeps them text
+    assert ids_of(tok, texts) == ids_of(fast, texts)
+    assert tok.decode(tok.encode_batch([texts[0]])[0]) == texts[0]
+    assert tok.encode_batch(["<|endoftext|>"])[0].tolist() != [tok.eos_id]  # text stays text
+    assert tok.identity()["name"] == "mini.tiktoken" and tok.identity()["file_xxh3"]
+
+
+def test_tiktoken_openai_names(gpt2_json, tmp_path):
+    ranks = {bytes([b]): b for b in range(256)}
+    assert tkz._openai_params("o200k_base", ranks)["special_tokens"]["<|endoftext|>"] == 199999
+    assert "\\p{N}{1,3}" in tkz._openai_params("o200k_harmony", ranks)["pat_str"]
+    small = write_tiktoken(gpt2_json, tmp_path / "r50k_base.tiktoken")
+    with pytest.raises(TokenizerError, match="named like OpenAI's r50k_base"):
+        load_tokenizer(str(small))
+    cl100k = load_tokenizer(str(write_tiktoken(gpt2_json, tmp_path / "cl100k_base.tiktoken")))
+    assert (cl100k.eos_id, cl100k.vocab_size) == (100257, 100277)  # OpenAI's special ids
+    with pytest.raises(TokenizerError, match="not one of its special tokens"):
+        load_tokenizer(str(write_tiktoken(gpt2_json, tmp_path / "x.tiktoken")), eos="</s>")
+
+
+# ---- sentencepiece ---------------------------------------------------------------------------
+
+def test_sentencepiece(tmp_path):
+    import sentencepiece as spm
+
+    lines = [line for t in training_texts() for line in t.splitlines() if line.strip()]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model,
+                                   vocab_size=200, minloglevel=2)
+    path = tmp_path / "sp.model"
+    path.write_bytes(model.getvalue())
+    tok = load_tokenizer(str(path))
+    ref = spm.SentencePieceProcessor(model_file=str(path))
+    texts = MULTILINGUAL + ["", "<|endoftext|> </s>", "a\ud800b"]
+    assert ids_of(tok, texts[:-1]) == ref.encode(texts[:-1], out_type=int)
+    assert (tok.kind, tok.engine, tok.vocab_size) == ("sentencepiece", "sentencepiece", 200)
+    assert (tok.eos_id, tok.bos_id) == (ref.eos_id(), ref.bos_id()) == (2, 1)
+    assert tok.decode(tok.encode_batch([MULTILINGUAL[0]])[0]) == ref.decode(
+        ref.encode(MULTILINGUAL[0]))
+    assert len(tok.encode_batch(texts)[-1]) > 0
+    assert load_tokenizer(str(path), eos="<unk>").eos_id == 0
+    with pytest.raises(TokenizerError, match="not a piece"):
+        load_tokenizer(str(path), eos="<nope>")
+
+
+# ---- identity, pickling ----------------------------------------------------------------------
+
+def test_identity_follows_the_file(gpt2_json, tmp_path):
+    a = load_tokenizer(gpt2_json).identity()
+    assert json.loads(json.dumps(a)) == a
+    assert a == load_tokenizer(gpt2_json, fast=False).identity()
+    assert a["name"] == "tokenizer.json" and a["vocab_size"] == 800 and len(a["file_xxh3"]) == 16
+    copy = tmp_path / "tokenizer.json"
+    copy.write_text(Path(gpt2_json).read_text(encoding="utf-8") + "\n")
+    b = load_tokenizer(str(copy)).identity()
+    assert b["file_xxh3"] != a["file_xxh3"] and {**b, "file_xxh3": a["file_xxh3"]} == a
+
+
+def test_pickle_reloads(gpt2_json):
+    tok = load_tokenizer(gpt2_json)
+    back = pickle.loads(pickle.dumps(tok))
+    assert back.engine == "tiktoken" and ids_of(back, MULTILINGUAL) == ids_of(tok, MULTILINGUAL)
+
+
+# ---- encode_documents, dtypes ----------------------------------------------------------------
+
+def test_token_dtype():
+    assert token_dtype(258) == np.uint16 and token_dtype(65499) == np.uint16
+    assert token_dtype(65500) == np.int32 and token_dtype(128256) == np.int32
+    with pytest.raises(ConfigError):
+        token_dtype(0)
+
+
+def test_encode_documents_bytes():
+    tok = load_tokenizer("bytes")
+    flat, lengths = encode_documents(tok, ["hi", "", "é"])
+    assert flat.tolist() == [104, 105, 256, 256, 0xC3, 0xA9, 256]
+    assert flat.dtype == np.uint16 and lengths.dtype == np.int64
+    assert lengths.tolist() == [3, 1, 3]
+    flat, lengths = encode_documents(tok, ["hi", "é"], add_bos=True, add_eos=False, dtype=np.int32)
+    assert flat.tolist() == [257, 104, 105, 257, 0xC3, 0xA9] and flat.dtype == np.int32
+    flat, lengths = encode_documents(tok, ["hi", "é"], add_eos=False)
+    assert flat.tolist() == [104, 105, 0xC3, 0xA9] and lengths.tolist() == [2, 2]
+    flat, lengths = encode_documents(tok, [])
+    assert flat.tolist() == [] and lengths.tolist() == [] and flat.dtype == np.uint16
+    with pytest.raises(ConfigError, match="cannot hold"):
+        encode_documents(tok, ["x"], dtype=np.uint8)
+
+
+def test_encode_documents_hf(gpt2_json):
+    tok = load_tokenizer(gpt2_json)
+    texts = MULTILINGUAL + ["", "<|endoftext|>"]
+    flat, lengths = encode_documents(tok, texts)
+    want = [i for ids in ids_of(tok, texts) for i in ids + [tok.eos_id]]
+    assert flat.tolist() == want and flat.dtype == np.uint16
+    assert lengths.tolist() == [len(x) + 1 for x in ids_of(tok, texts)]
+    with pytest.raises(TokenizerError, match="no BOS token"):
+        encode_documents(tok, texts, add_bos=True)
+
+
+class WideVocab:
+    """A stand-in with a vocab too big for uint16: ids from the bytes, shifted up."""
+
+    kind = engine = "fake"
+    vocab_size, eos_id, bos_id = 70_000, 69_999, None
+
+    def encode_batch(self, texts):
+        return [np.frombuffer(t.encode(), np.uint8).astype(np.int64) + 65_000 for t in texts]
+
+    def identity(self):
+        return {"name": "wide"}
+
+
+def test_encode_documents_wide_vocab_is_int32():
+    flat, lengths = encode_documents(WideVocab(), ["ab", "c"])
+    assert flat.dtype == np.int32 and flat.tolist() == [65097, 65098, 69999, 65099, 69999]
+    assert lengths.tolist() == [3, 2]
+
+
+# ---- bad specs, train_bpe --------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["missing.json", "missing.tiktoken", "missing.model"])
+def test_missing_file(tmp_path, name):
+    path = str(tmp_path / name)
+    with pytest.raises(TokenizerError, match="not found") as e:
+        load_tokenizer(path)
+    assert path in str(e.value) and ".tiktoken" in str(e.value)
+
+
+def test_unknown_and_broken_specs(tmp_path):
+    with pytest.raises(TokenizerError, match="unknown tokenizer spec 'gpt-17'") as e:
+        load_tokenizer("gpt-17")
+    assert "tokenizer.json" in str(e.value) and ".model" in str(e.value)
+    for name, content in [("bad.json", "{}"), ("bad.model", "nope"), ("bad.tiktoken", "!! x\n")]:
+        (tmp_path / name).write_text(content)
+        with pytest.raises(TokenizerError, match="bad"):
+            load_tokenizer(str(tmp_path / name))
+
+
+def test_train_bpe_validates_vocab_size(tmp_path):
+    with pytest.raises(ConfigError, match="vocab_size"):
+        train_bpe(["abc"], 100, out_path=tmp_path / "t.json")
