@@ -55,3 +55,22 @@ def bpe_tokenizer(tmp_path_factory, real_texts) -> str:
     from tokenmill.tokenizer import train_bpe
     out = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     return str(train_bpe(real_texts[:200], 2000, out_path=out))
+
+
+def write_positional_store(path: Path, lengths, *, shard_tokens: int = 1 << 30, offset: int = 0):
+    """A store (int32) whose token at global position p is offset + p: any reorder, drop or
+    duplicate of tokens shows up as a broken arithmetic sequence."""
+    import numpy as np
+    from tokenmill.store import ShardWriter, atomic_write_json, build_manifest
+    path.mkdir(parents=True, exist_ok=True)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    tokens = np.arange(offset, offset + int(lengths.sum()), dtype=np.int32)
+    w = ShardWriter(path, dtype=np.int32, shard_tokens=shard_tokens)
+    shards = [info for info, _ in w.add(tokens, lengths)]
+    if (last := w.finish()) is not None:
+        shards.append(last)
+    manifest = build_manifest(tokenizer={"kind": "positional", "offset": offset,
+                                         "vocab_size": 1 << 31}, dtype=np.int32, shards=shards,
+                              settings={}, skipped={"total": 0})
+    atomic_write_json(path / "manifest.json", manifest)
+    return path

@@ -1,0 +1,24 @@
+"""tokenmill: raw text → token store → exact, resumable batches that keep accelerators fed."""
+
+from tokenmill.errors import ConfigError, InputError, StoreError, TokenizerError, TokenmillError
+from tokenmill.loader import Loader
+from tokenmill.prepare import PrepareConfig, prepare
+from tokenmill.store import TokenStore, verify_store
+from tokenmill.tokenizer import load_tokenizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "InputError",
+    "Loader",
+    "PrepareConfig",
+    "StoreError",
+    "TokenStore",
+    "TokenizerError",
+    "TokenmillError",
+    "__version__",
+    "load_tokenizer",
+    "prepare",
+    "verify_store",
+]

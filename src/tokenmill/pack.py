@@ -1,0 +1,395 @@
+"""Sample layouts over a store's global token stream: concat windows and packed document rows.
+
+The stream is the store's documents (each ending in EOS) back to back; document d occupies
+global tokens [starts[d], starts[d] + lengths[d]) with starts the exclusive cumsum of lengths.
+
+concat: sample i of an epoch is the window of seq_len + 1 tokens at offset + i·seq_len, where the
+offset in [0, seq_len) moves with the epoch; consecutive windows share one token, so every
+(input, target) pair after the offset is seen once per epoch.
+
+packed: rows of C = seq_len + 1 tokens, each a list of segments (whole documents, or pieces of
+documents longer than C), placed by best-fit decreasing; padding is token 0 and the loss mask is 0
+wherever input and target do not belong to the same segment.
+
+Cache file (`packed-<key>-seq<seq_len>.npz`, uncompressed, written to a temp name + os.replace):
+    meta      int64[5]   FORMAT_VERSION, seq_len, num_truncated, num_dropped_tokens, num_docs
+    lengths   uint64[1]  xxh3-64 of the int64 doc_lengths the layout was built from
+    row_ptr   int64[num_rows + 1]
+    seg_start int64[S]   global token offset of each segment
+    seg_len   int64[S]
+    seg_doc   int64[S]   document id of each segment
+    checksum  uint64[1]  xxh3-64 of the bytes of all the arrays above, in this order
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import re
+import tempfile
+import warnings
+import zipfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from tokenmill.errors import ConfigError
+from tokenmill.sampler import hash_ints
+
+__all__ = [
+    "PackedLayout",
+    "concat_num_samples",
+    "concat_offset",
+    "concat_starts",
+    "fill_packed_rows",
+    "load_or_build_packed",
+    "pack_documents",
+]
+
+FORMAT_VERSION = 1
+_TAG_CONCAT = 0x636F6E63  # "conc": separates concat offsets from other uses of hash_ints
+_KEY = re.compile(r"[A-Za-z0-9._-]+")
+_ARRAYS = ("meta", "lengths", "row_ptr", "seg_start", "seg_len", "seg_doc")
+_warned_unwritable: set[str] = set()
+
+
+def _check_seq_len(seq_len: int) -> int:
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ConfigError(f"seq_len must be an int >= 1 (got {seq_len=!r})")
+    return int(seq_len)
+
+
+def _exclusive_cumsum(a: np.ndarray) -> np.ndarray:
+    """[0, a0, a0+a1, …] without the total.
+
+    _exclusive_cumsum(np.array([3, 1, 2])).tolist() == [0, 3, 4]
+    """
+    out = np.zeros(len(a), dtype=np.int64)
+    np.cumsum(a[:-1], out=out[1:])
+    return out
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + c) for each (s, c).
+
+    _ranges(np.array([5, 0]), np.array([2, 3])).tolist() == [5, 6, 0, 1, 2]
+    """
+    total = int(counts.sum())
+    return np.repeat(starts - _exclusive_cumsum(counts), counts) + np.arange(total, dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# concat windows
+
+
+def concat_num_samples(num_tokens: int, seq_len: int) -> int:
+    """Windows of seq_len + 1 tokens per epoch, the same for every epoch's offset.
+
+    concat_num_samples(num_tokens=10, seq_len=4) == 1
+    """
+    seq_len = _check_seq_len(seq_len)
+    n = (int(num_tokens) - seq_len) // seq_len
+    if n < 1:
+        raise ConfigError(f"{num_tokens:,} tokens is too few for seq_len={seq_len}: concat "
+                          f"windows need at least 2·seq_len = {2 * seq_len:,} tokens")
+    return n
+
+
+def concat_offset(seq_len: int, *, seed: int, epoch: int) -> int:
+    """Where epoch's windows start, in [0, seq_len), from a hash of (seed, epoch).
+
+    0 <= concat_offset(2048, seed=0, epoch=3) < 2048
+    """
+    seq_len = _check_seq_len(seq_len)
+    return int(hash_ints(_TAG_CONCAT, seed, epoch) % np.uint64(seq_len))
+
+
+def concat_starts(sample_ids: np.ndarray, *, seq_len: int, offset: int) -> np.ndarray:
+    """First global token of each concat window: offset + id·seq_len.
+
+    concat_starts(np.array([0, 2]), seq_len=4, offset=1).tolist() == [1, 9]
+    """
+    return offset + np.asarray(sample_ids, dtype=np.int64) * _check_seq_len(seq_len)
+
+
+# ---------------------------------------------------------------------------------------------
+# packed rows
+
+
+@dataclass(frozen=True, eq=False)
+class PackedLayout:
+    """Rows of seq_len + 1 tokens as segments of the global stream (CSR: row_ptr → segments).
+
+    pack_documents(np.array([3, 2]), seq_len=4).num_rows == 1
+    """
+
+    seq_len: int
+    row_ptr: np.ndarray  # int64[num_rows + 1]: row r holds segments row_ptr[r]:row_ptr[r+1]
+    seg_start: np.ndarray  # int64[S]: global token offset of each segment
+    seg_len: np.ndarray  # int64[S]
+    seg_doc: np.ndarray  # int64[S]: document id
+    num_truncated: int  # documents longer than a row, cut into pieces
+    num_dropped_tokens: int  # one-token tail pieces dropped (each is already its piece's last target)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens per row: seq_len + 1."""
+        return self.seq_len + 1
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_ptr) - 1
+
+    @property
+    def padding_fraction(self) -> float:
+        """1 − used tokens / (rows · capacity)."""
+        if self.num_rows == 0:
+            return 0.0
+        return 1.0 - int(self.seg_len.sum()) / (self.num_rows * self.capacity)
+
+
+def _pieces(doc_lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(doc, offset, length) of every item to place, in document then piece order.
+
+    [a.tolist() for a in _pieces(np.array([2, 7]), 2)] == [[0, 1, 1, 1], [0, 0, 2, 4], [2, 3, 3, 3]]
+    """
+    capacity = seq_len + 1
+    # a document longer than a row: pieces start every seq_len tokens, overlap by one token, and
+    # a last piece of one token (no pair) is left out: starts s with s <= length - 2
+    n_pieces = np.where(doc_lengths > capacity, (doc_lengths - 2) // seq_len + 1,
+                        (doc_lengths > 0).astype(np.int64))
+    doc = np.repeat(np.arange(len(doc_lengths), dtype=np.int64), n_pieces)
+    offset = _ranges(np.zeros(len(doc_lengths), np.int64), n_pieces) * seq_len
+    length = np.minimum(capacity, doc_lengths[doc] - offset)
+    return doc, offset, length
+
+
+def _best_fit(lengths: list[int], capacity: int, first_row: int) -> np.ndarray:
+    """Row of each item (lengths sorted decreasing) by best fit: the open row with the least
+    room that fits, ties to the lowest row id; a new row when none fits.
+
+    _best_fit([5, 4, 3, 2, 1], 6, 0).tolist() == [0, 1, 2, 1, 0]
+    """
+    buckets: list[list[int]] = [[] for _ in range(capacity + 1)]  # room → heap of row ids
+    mask = 0  # bit r set ⇔ some open row has exactly r tokens of room
+    rows = np.empty(len(lengths), dtype=np.int64)
+    next_row = first_row
+    heappop, heappush = heapq.heappop, heapq.heappush
+    for i, length in enumerate(lengths):
+        m = mask >> length
+        if m:
+            room = length + (m & -m).bit_length() - 1  # lowest set bit: the smallest room that fits
+            bucket = buckets[room]
+            row = heappop(bucket)
+            if not bucket:
+                mask ^= 1 << room
+        else:
+            row, room = next_row, capacity
+            next_row += 1
+        rows[i] = row
+        room -= length
+        if room:
+            bucket = buckets[room]
+            if not bucket:
+                mask |= 1 << room
+            heappush(bucket, row)
+    return rows
+
+
+def _check_lengths(doc_lengths: np.ndarray) -> np.ndarray:
+    lengths = np.asarray(doc_lengths)
+    if lengths.ndim != 1 or lengths.dtype.kind not in "iu":
+        raise ConfigError(f"doc_lengths must be a 1-d integer array (got {lengths.dtype}, "
+                          f"shape {lengths.shape})")
+    if lengths.size and lengths.min() < 0:
+        raise ConfigError(f"doc_lengths must be >= 0 (got {lengths.min()} at document "
+                          f"{int(np.argmin(lengths))})")
+    return lengths.astype(np.int64)
+
+
+def pack_documents(doc_lengths: np.ndarray, seq_len: int) -> PackedLayout:
+    """Pack documents into rows of seq_len + 1 tokens by best-fit decreasing.
+
+    pack_documents(np.array([3, 2, 4]), seq_len=4).row_ptr.tolist() == [0, 1, 3]
+    """
+    seq_len = _check_seq_len(seq_len)
+    lengths = _check_lengths(doc_lengths)
+    capacity = seq_len + 1
+    doc, offset, length = _pieces(lengths, seq_len)
+    # decreasing length, ties by (document, piece): items are already in that order, and stable
+    order = np.argsort(-length, kind="stable")
+    n_full = int(np.count_nonzero(length == capacity))  # a full piece fills a row alone
+    rows = np.concatenate([np.arange(n_full, dtype=np.int64),
+                           _best_fit(length[order[n_full:]].tolist(), capacity, n_full)])
+    # segments in row order (rows numbered by creation), within a row in the order placed
+    order = order[np.argsort(rows, kind="stable")]
+    counts = np.bincount(rows, minlength=int(rows.max(initial=-1)) + 1)
+    row_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    starts = _exclusive_cumsum(lengths)
+    long = lengths > capacity
+    layout = PackedLayout(
+        seq_len=seq_len, row_ptr=row_ptr,
+        seg_start=starts[doc[order]] + offset[order], seg_len=length[order], seg_doc=doc[order],
+        num_truncated=int(np.count_nonzero(long)),
+        num_dropped_tokens=int(np.count_nonzero(long & ((lengths - 1) % seq_len == 0))))
+    _freeze(layout)
+    return layout
+
+
+def _freeze(layout: PackedLayout) -> None:
+    for a in (layout.row_ptr, layout.seg_start, layout.seg_len, layout.seg_doc):
+        a.flags.writeable = False
+
+
+Tokens = np.ndarray | Callable[[int, int], np.ndarray]
+
+
+def fill_packed_rows(layout: PackedLayout, row_ids: np.ndarray, tokens: Tokens,
+                     out: Mapping[str, np.ndarray], rows: np.ndarray | None = None) -> None:
+    """Write packed rows row_ids into batch rows `rows` (default 0..len-1) of the arrays in `out`.
+
+    `tokens` is the flat global token array (a memmap is fine) or a `read(start, stop)` callable
+    such as TokenStore.tokens. `out` holds (B, seq_len) arrays "inputs", "targets" and, if
+    present, "segment_ids" (1-based segment of each input in its row, 0 on padding),
+    "positions" (restarting at 0 at each segment) and "loss_mask" (1 where input and target
+    belong to the same segment). Padding token id is 0.
+    """
+    row_ids = np.asarray(row_ids, dtype=np.int64).ravel()
+    if row_ids.size and (row_ids.min() < 0 or row_ids.max() >= layout.num_rows):
+        raise ConfigError(f"row ids must be in [0, {layout.num_rows}) (got min {row_ids.min()}, "
+                          f"max {row_ids.max()})")
+    dest = np.arange(len(row_ids)) if rows is None else np.asarray(rows, dtype=np.int64).ravel()
+    b, capacity = len(row_ids), layout.capacity
+    first = layout.row_ptr[row_ids]
+    n_segs = layout.row_ptr[row_ids + 1] - first
+    seg = _ranges(first, n_segs)  # the batch's segments, row by row
+    seg_len = layout.seg_len[seg]
+    seg_first = _exclusive_cumsum(n_segs)  # index (in seg) of each batch row's first segment
+    tok_before = _exclusive_cumsum(seg_len)  # tokens of the batch before each segment
+    in_row = tok_before - np.repeat(tok_before[seg_first], n_segs)
+    dst = np.repeat(np.arange(b, dtype=np.int64) * capacity, n_segs) + in_row
+
+    token_seg = np.repeat(np.arange(len(seg)), seg_len)  # segment of every copied token
+    pos = np.arange(len(token_seg), dtype=np.int64) - tok_before[token_seg]
+    flat = dst[token_seg] + pos
+    buf = np.zeros(b * capacity, dtype=out["inputs"].dtype)
+    if isinstance(tokens, np.ndarray):
+        buf[flat] = tokens[layout.seg_start[seg][token_seg] + pos]
+    else:
+        for start, length, at in zip(layout.seg_start[seg].tolist(), seg_len.tolist(),
+                                     dst.tolist()):
+            buf[at:at + length] = tokens(start, start + length)
+    buf = buf.reshape(b, capacity)
+    out["inputs"][dest] = buf[:, :-1]
+    out["targets"][dest] = buf[:, 1:]
+
+    if not {"segment_ids", "positions", "loss_mask"} & out.keys():
+        return
+    segment_ids = np.zeros(b * capacity, dtype=np.int32)
+    segment_ids[flat] = (np.arange(len(seg)) - np.repeat(seg_first, n_segs) + 1)[token_seg]
+    segment_ids = segment_ids.reshape(b, capacity)
+    if "segment_ids" in out:
+        out["segment_ids"][dest] = segment_ids[:, :-1]
+    if "positions" in out:
+        positions = np.zeros(b * capacity, dtype=np.int64)
+        positions[flat] = pos
+        out["positions"][dest] = positions.reshape(b, capacity)[:, :-1]
+    if "loss_mask" in out:
+        same = (segment_ids[:, :-1] == segment_ids[:, 1:]) & (segment_ids[:, :-1] != 0)
+        out["loss_mask"][dest] = same
+
+
+# ---------------------------------------------------------------------------------------------
+# cache
+
+
+def _digest(arrays: Mapping[str, np.ndarray]) -> int:
+    h = xxhash.xxh3_64()
+    for name in _ARRAYS:
+        h.update(np.ascontiguousarray(arrays[name]).tobytes())
+    return h.intdigest()
+
+
+def _lengths_digest(lengths: np.ndarray) -> int:
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(lengths, dtype=np.int64).tobytes())
+
+
+def _to_arrays(layout: PackedLayout, lengths: np.ndarray) -> dict[str, np.ndarray]:
+    arrays = {
+        "meta": np.array([FORMAT_VERSION, layout.seq_len, layout.num_truncated,
+                          layout.num_dropped_tokens, len(lengths)], dtype=np.int64),
+        "lengths": np.array([_lengths_digest(lengths)], dtype=np.uint64),
+        "row_ptr": layout.row_ptr, "seg_start": layout.seg_start,
+        "seg_len": layout.seg_len, "seg_doc": layout.seg_doc,
+    }
+    arrays["checksum"] = np.array([_digest(arrays)], dtype=np.uint64)
+    return arrays
+
+
+def _read_cache(path: Path, lengths: np.ndarray, seq_len: int) -> PackedLayout:
+    """The layout cached at path, or ValueError saying why it cannot be trusted."""
+    with np.load(path, allow_pickle=False) as f:
+        arrays = {name: f[name] for name in (*_ARRAYS, "checksum")}
+    meta = arrays["meta"]
+    if meta[0] != FORMAT_VERSION:
+        raise ValueError(f"format version {meta[0]}, this tokenmill writes {FORMAT_VERSION}")
+    if int(arrays["checksum"][0]) != _digest(arrays):
+        raise ValueError("checksum mismatch (the file is damaged)")
+    if meta[1] != seq_len or int(arrays["lengths"][0]) != _lengths_digest(lengths):
+        raise ValueError("built for other documents or another seq_len than asked for")
+    layout = PackedLayout(seq_len=seq_len, row_ptr=arrays["row_ptr"],
+                          seg_start=arrays["seg_start"], seg_len=arrays["seg_len"],
+                          seg_doc=arrays["seg_doc"], num_truncated=int(meta[2]),
+                          num_dropped_tokens=int(meta[3]))
+    _freeze(layout)
+    return layout
+
+
+def _write_atomic(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write arrays as an .npz at path via a temp file in the same directory and os.replace."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_or_build_packed(cache_dir: str | os.PathLike, *, key: str, doc_lengths: np.ndarray,
+                         seq_len: int) -> PackedLayout:
+    """The packed layout of doc_lengths, from cache_dir if a valid cache is there, else built
+    and cached. A damaged, stale or other-version cache is rebuilt with a warning; an
+    unwritable cache_dir means building in memory (warned once per directory).
+
+    load_or_build_packed(tmp, key="abc", doc_lengths=np.array([3]), seq_len=4).num_rows == 1
+    """
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
+        raise ConfigError(f"key must be a non-empty string of letters, digits, '.', '_' or '-' "
+                          f"(got {key=!r})")
+    seq_len = _check_seq_len(seq_len)
+    lengths = _check_lengths(doc_lengths)
+    path = Path(cache_dir) / f"packed-{key}-seq{seq_len}.npz"
+    if path.exists():
+        try:
+            return _read_cache(path, lengths, seq_len)
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+            warnings.warn(f"{path}: packed layout cache not usable ({e}); rebuilding it",
+                          stacklevel=2)
+    layout = pack_documents(lengths, seq_len)
+    try:
+        _write_atomic(path, _to_arrays(layout, lengths))
+    except OSError as e:
+        if str(path.parent) not in _warned_unwritable:
+            _warned_unwritable.add(str(path.parent))
+            warnings.warn(f"{path.parent}: cannot write the packed layout cache ({e}); built it in "
+                          "memory, and will again on every start. Pass a writable cache_dir.",
+                          stacklevel=2)
+    return layout
