@@ -341,3 +341,46 @@ def test_rank_from_environment(store, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with Loader(store, seq_len=L, batch_size=2) as ld:
         assert (ld.rank, ld.world_size) == (1, 3)
+
+
+def test_auto_prefetch_deepens_only_while_waiting(store, monkeypatch):
+    from tokenmill import loader as loader_mod
+    real_fill = loader_mod.BatchPlan.fill
+
+    def slow_fill(self, positions, out):
+        time.sleep(0.002)
+        real_fill(self, positions, out)
+    monkeypatch.setattr(loader_mod, "TUNE_WINDOW", 10)
+    with Loader(store, seq_len=L, batch_size=4, rank=0, world_size=1, num_workers=1) as fast_consumer:
+        start = fast_consumer.prefetch
+        monkeypatch.setattr(loader_mod.BatchPlan, "fill", slow_fill)
+        for _, b in zip(range(60), fast_consumer):  # no step at all: every batch is waited for
+            pass
+        assert fast_consumer.prefetch > start
+        assert fast_consumer.buffer_bytes() <= loader_mod.PREFETCH_MEMORY_BUDGET
+    monkeypatch.setattr(loader_mod.BatchPlan, "fill", real_fill)
+    with Loader(store, seq_len=L, batch_size=4, rank=0, world_size=1, num_workers=1) as slow_consumer:
+        start = slow_consumer.prefetch
+        for _, b in zip(range(40), slow_consumer):
+            time.sleep(0.005)  # the step dominates: nothing to gain from a deeper queue
+        assert slow_consumer.prefetch == start
+
+
+def test_meter_reads_the_loaders_stages(store):
+    from tokenmill import Meter
+    with Loader(store, seq_len=L, batch_size=4, rank=0, world_size=1, num_workers=1) as ld:
+        meter = Meter(ld)
+        for _, b in zip(range(30), meter):
+            pass
+        s = meter.summary()
+    assert s["stage_s"]["assemble"] > 0 and s["queue_depth"] is not None
+    assert s["steps"] == 30 and s["tokens_per_s"] > 0
+
+
+def test_memory_plan_matches_the_buffers(store):
+    from tokenmill.loader import memory_plan
+    for layout in ("concat", "packed"):
+        with Loader(store, seq_len=L, batch_size=4, layout=layout, rank=0, world_size=1,
+                    num_workers=1, prefetch=3) as ld:
+            plan = memory_plan(seq_len=L, batch_size=4, layout=layout, prefetch=3)
+            assert plan["batch_ring"] == ld.buffer_bytes()

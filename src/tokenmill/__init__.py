@@ -2,6 +2,7 @@
 
 from tokenmill.errors import ConfigError, InputError, StoreError, TokenizerError, TokenmillError
 from tokenmill.loader import Loader
+from tokenmill.metrics import Instrumented, Meter, ModelCost
 from tokenmill.prepare import PrepareConfig, prepare
 from tokenmill.store import TokenStore, verify_store
 from tokenmill.tokenizer import load_tokenizer
@@ -11,7 +12,10 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError",
     "InputError",
+    "Instrumented",
     "Loader",
+    "Meter",
+    "ModelCost",
     "PrepareConfig",
     "StoreError",
     "TokenStore",

@@ -14,10 +14,12 @@ references it (checked by reference count), so a batch you keep is never overwri
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +36,10 @@ from tokenmill.store import TokenStore
 
 STATE_VERSION = 1
 LAYOUTS = ("concat", "packed")
+TUNE_WINDOW = 50  # steps between prefetch decisions
+TUNE_WAIT_FRACTION = 0.01  # deepen prefetch while data wait is above 1%
+MAX_PREFETCH = 64
+PREFETCH_MEMORY_BUDGET = 1 << 30  # never let prefetch buffers grow past 1 GiB
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class SampleSource:
                 doc_lengths=store.doc_lengths, seq_len=L)
             self.num_samples = self.packed.num_rows
         self._shard_starts = store.shard_token_starts
+        self._shard_start_list = store.shard_token_starts.tolist()
         self._shards = [store.shard(i) for i in range(store.num_shards)]
 
     def addresses(self, draws: np.ndarray) -> np.ndarray:
@@ -98,8 +105,9 @@ class SampleSource:
         L = self.config.seq_len
         shard = np.searchsorted(self._shard_starts, addrs, side="right") - 1
         inputs, targets = out["inputs"], out["targets"]
+        starts = self._shard_start_list
         for row, s, k in zip(rows.tolist(), addrs.tolist(), shard.tolist()):
-            local = s - int(self._shard_starts[k])
+            local = s - starts[k]
             data = self._shards[k]
             if local + L + 1 <= len(data):  # the usual case: one shard, two slice copies
                 inputs[row] = data[local:local + L]
@@ -172,11 +180,13 @@ class BatchPlan:
 
     def resolve(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(store id, address) of every global sample position."""
+        first, last = int(positions[0]), int(positions[-1])
+        b = first // self.BLOCK
+        if last // self.BLOCK == b and last - first == len(positions) - 1:  # the usual case
+            sid, addr = self._block(b)
+            lo = first - b * self.BLOCK
+            return sid[lo:lo + len(positions)], addr[lo:lo + len(positions)]
         blocks = positions // self.BLOCK
-        if blocks[0] == blocks[-1]:
-            sid, addr = self._block(int(blocks[0]))
-            local = positions - blocks[0] * self.BLOCK
-            return sid[local], addr[local]
         parts = [self.resolve(positions[blocks == b]) for b in np.unique(blocks)]
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
@@ -199,11 +209,15 @@ class BatchPlan:
             self._blocks[b] = (sid, addr)
         return sid, addr
 
+    @functools.lru_cache(maxsize=4)
+    def _rows(self, n: int) -> np.ndarray:
+        return np.arange(n)
+
     def fill(self, positions: np.ndarray, out: dict[str, np.ndarray]) -> None:
         """Fill ``out`` with the samples at global ``positions`` (one per row)."""
         sid, addr = self.resolve(positions)
         if self.schedule is None:
-            self.sources[0].fill(addr, np.arange(len(positions)), out)
+            self.sources[0].fill(addr, self._rows(len(positions)), out)
             return
         for s in np.unique(sid).tolist():
             rows = np.flatnonzero(sid == s)
@@ -216,17 +230,21 @@ class _Ring:
     def __init__(self, make, size: int):
         self.make, self.size = make, size
         self.free: deque[dict] = deque()
+        self.free_refs: list[int] = []
         self.out: deque[dict] = deque()  # handed to the user, oldest first
 
     def take(self) -> dict[str, np.ndarray]:
         """A buffer set that nothing else references (reclaimed or new)."""
-        while self.out and _unreferenced(self.out[0]):
+        while self.out and _refcounts(self.out[0]) == self.free_refs:
             self.free.append(self.out.popleft())
         if self.free:
             return self.free.popleft()
         if len(self.out) >= self.size:  # the user keeps old batches: let them own those
             self.out.popleft()
-        return self.make()
+        bufs = self.make()
+        # what an array's count reads when only the ring's dict holds it, measured the same way
+        self.free_refs = _refcounts(bufs)
+        return bufs
 
     def hand_out(self, bufs: dict) -> dict:
         """Record ``bufs`` as given to the user; returns a new dict over the same arrays."""
@@ -238,9 +256,9 @@ class _Ring:
         self.free.append(bufs)
 
 
-def _unreferenced(bufs: dict) -> bool:
-    # refs: the ring's dict + getrefcount's argument; a user dict, view or tensor adds more
-    return all(sys.getrefcount(a) <= 2 for a in bufs.values())
+def _refcounts(bufs: dict) -> list[int]:
+    # a user's dict, a view (its .base) or a tensor from from_numpy each add one reference
+    return [sys.getrefcount(a) for a in bufs.values()]
 
 
 class Loader:
@@ -282,6 +300,11 @@ class Loader:
                               f"one epoch holds ({self.samples_per_epoch:,} samples of "
                               f"seq_len {seq_len}); lower batch_size or seq_len")
         self._consumed = 0
+        self._auto_prefetch = prefetch == "auto"
+        self._tuning = {"wait": 0.0, "steps": 0, "since": None}
+        self._assemble_s = 0.0
+        self._stage_lock = threading.Lock()
+        self._ready = 0
         self._pool = None
         self._closed = False
         self._iterating = None
@@ -336,7 +359,7 @@ class Loader:
         if self.num_workers == 0:
             while remaining is None or remaining > 0:
                 bufs = self._ring.take()
-                self.plan.fill(self.positions(self._consumed), bufs)
+                self._timed_fill(self.positions(self._consumed), bufs)
                 if self._iterating is not token:
                     return
                 self._consumed += gb
@@ -347,20 +370,24 @@ class Loader:
         ahead: deque[tuple[Future, dict]] = deque()
         nxt = self._consumed
         n_left = remaining
+        clock = time.perf_counter
         try:
             while True:
                 while len(ahead) < self.prefetch and (n_left is None or n_left > 0):
                     bufs = self._ring.take()
-                    ahead.append((pool.submit(self.plan.fill, self.positions(nxt), bufs), bufs))
+                    ahead.append((pool.submit(self._timed_fill, self.positions(nxt), bufs), bufs))
                     nxt += gb
                     n_left = None if n_left is None else n_left - 1
                 if not ahead:
                     return
                 fut, bufs = ahead.popleft()
+                self._ready = sum(f.done() for f, _ in ahead) + fut.done()
+                t0 = clock()
                 fut.result()  # a worker's exception surfaces here with its own traceback
                 if self._iterating is not token:
                     return
                 self._consumed += gb
+                self._tune(clock() - t0, clock())
                 yield self._ring.hand_out(bufs)
         finally:
             for fut, bufs in ahead:  # prefetched, never handed out: not consumed
@@ -370,6 +397,49 @@ class Loader:
                 except BaseException:
                     pass
                 self._ring.reclaim(bufs)
+
+    def _timed_fill(self, positions: np.ndarray, bufs: dict) -> None:
+        t0 = time.perf_counter()
+        self.plan.fill(positions, bufs)
+        with self._stage_lock:
+            self._assemble_s += time.perf_counter() - t0
+
+    def _tune(self, waited: float, now: float) -> None:
+        """prefetch="auto": one batch deeper whenever a window of steps waited over 1% of its
+        wall time, within the memory budget."""
+        if not self._auto_prefetch:
+            return
+        t = self._tuning
+        if t["since"] is None:  # the first batch is never prefetched: start counting after it
+            t["since"] = now
+            return
+        t["wait"] += waited
+        t["steps"] += 1
+        if t["steps"] < TUNE_WINDOW:
+            return
+        wall = now - t["since"]
+        deeper = self.prefetch + 1
+        if (wall > 0 and t["wait"] / wall > TUNE_WAIT_FRACTION and deeper <= MAX_PREFETCH and
+                self.buffer_bytes(deeper) <= PREFETCH_MEMORY_BUDGET):
+            self.prefetch = deeper
+            self._ring.size = deeper + 2
+        t.update(wait=0.0, steps=0, since=now)
+
+    # ---- what the Meter reads (metrics.Instrumented) -----------------------------------------
+
+    def stage_times(self) -> dict[str, float]:
+        """Cumulative seconds spent assembling batches (in workers, or inline)."""
+        pool_s = getattr(self._pool, "assemble_s", 0.0)
+        return {"assemble": self._assemble_s + pool_s}
+
+    def queue_depth(self) -> int:
+        """Batches computed ahead and ready when the last one was handed out."""
+        return self._ready
+
+    def buffer_bytes(self, prefetch: int | None = None) -> int:
+        """Host memory the batch buffers take at a prefetch depth (ring = depth + 2 batches)."""
+        per_batch = sum(a.nbytes for a in self.plan.new_buffers(self.batch_size).values())
+        return per_batch * ((self.prefetch if prefetch is None else prefetch) + 2)
 
     def _ensure_pool(self):
         if self._pool is None:
@@ -452,7 +522,10 @@ def _shutdown(holder: list) -> None:
 
 def _resolve_workers(num_workers: int | str) -> int:
     if num_workers == "auto":
-        return 0  # measured: in-line assembly from the page cache beats a hand-off (see docs)
+        # one background thread: batch k+1 is assembled while the step runs (numpy copies
+        # release the GIL); a pool that competes with the training step for 2 cores loses
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return 1 if (cores or 1) > 1 else 0
     if not isinstance(num_workers, int) or num_workers < 0:
         raise ConfigError(f"num_workers must be an int >= 0 or 'auto' (got {num_workers!r})")
     return num_workers
@@ -460,7 +533,22 @@ def _resolve_workers(num_workers: int | str) -> int:
 
 def _resolve_prefetch(prefetch: int | str, num_workers: int) -> int:
     if prefetch == "auto":
-        return 2 * max(1, num_workers)
+        return 2 * max(1, num_workers)  # a starting depth; deepened while data wait > 1%
     if not isinstance(prefetch, int) or prefetch < 1:
         raise ConfigError(f"prefetch must be an int >= 1 or 'auto' (got {prefetch!r})")
     return prefetch
+
+
+def memory_plan(*, seq_len: int, batch_size: int, layout: str = "concat", dtype: str = "int32",
+                prefetch: int = 2, num_documents: int = 0) -> dict[str, int]:
+    """Bytes the Loader's buffers take for a config: batch ring, and the packed layout if any.
+
+    memory_plan(seq_len=2048, batch_size=8, prefetch=2)["batch_ring"] == 2 * 8 * 2048 * 4 * 4
+    """
+    per_row = seq_len * np.dtype(dtype).itemsize * 2
+    if layout == "packed":
+        per_row += seq_len * (4 + 4 + 1)  # segment_ids, positions, loss_mask
+    ring = per_row * batch_size * (prefetch + 2)
+    # packed layout: row_ptr + (start, len, doc) per segment, about 1.1 segments per document
+    packed = int(num_documents * 1.1 * 24 + num_documents * 8) if layout == "packed" else 0
+    return {"batch_ring": ring, "packed_layout": packed, "total": ring + packed}

@@ -51,9 +51,10 @@ def _worker_main(spec: dict, tasks, results, parent: int) -> None:
         if plan is None:
             continue
         try:
+            t0 = time.perf_counter()
             out = plan.new_buffers(len(positions))
             plan.fill(positions, out)
-            results.put((task_id, None, out))
+            results.put((task_id, None, (out, time.perf_counter() - t0)))
         except BaseException as e:
             results.put((task_id, _pack_error(e), None))
 
@@ -91,6 +92,7 @@ class ProcessPool:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        self.assemble_s = 0.0  # seconds the workers spent filling batches
         self._collector = threading.Thread(target=self._collect, daemon=True,
                                            name="tokenmill-collector")
         self._collector.start()
@@ -126,7 +128,8 @@ class ProcessPool:
             if err is not None:
                 fut.set_exception(_unpack_error(err))
                 continue
-            for k, v in out.items():
+            arrays, self.assemble_s = out[0], self.assemble_s + out[1]
+            for k, v in arrays.items():
                 bufs[k][...] = v
             fut.set_result(None)
 
