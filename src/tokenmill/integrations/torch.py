@@ -1,0 +1,321 @@
+"""PyTorch: a Loader's batches as tensors on a device, and as an IterableDataset for DataLoader.
+
+    batches = to_torch(Loader("store/", seq_len=2048, batch_size=8), device="cuda")
+    for batch in batches:                    # batch["inputs"]: torch.int32 (8, 2048) on cuda
+        state = batches.state_dict()         # save this one, not the loader's: see below
+
+``to_torch`` on CPU wraps each numpy array with ``torch.from_numpy`` (no copy). On CUDA it keeps
+``depth`` batches in flight: each is copied by the host into a pinned buffer of a small ring and
+sent by a non-blocking copy on a side stream, so batch k+1 crosses PCIe while step k runs. The
+compute stream waits on the copy's event (the host does not), ``record_stream`` keeps the caching
+allocator from reusing a batch's device memory before the compute stream is done with it, and a
+pinned buffer is refilled only after the host has synchronized on the event of the copy that read
+it last. Because batches are taken from the loader ahead of the training step, the wrapper, not
+the loader, knows which batches were handed out: checkpoint ``batches.state_dict()``.
+
+``TokenDataset`` keeps existing ``torch.utils.data.DataLoader(ds, batch_size=None,
+num_workers=N, pin_memory=True, persistent_workers=True)`` code: worker w of N computes steps
+w, w+N, w+2N, … and DataLoader takes one item from each worker in turn, so the order is the
+loader's own for any N. Its ``state_dict``/``load_state_dict`` let
+``torchdata.stateful_dataloader.StatefulDataLoader`` resume exactly.
+
+Rank and world size come from ``torch.distributed`` when it is initialised (the Loader reads them
+when it is built: build it after ``init_process_group``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from tokenmill.errors import ConfigError
+from tokenmill.loader import STATE_VERSION, Loader
+
+__all__ = ["TokenDataset", "TorchBatches", "to_torch"]
+
+
+def to_torch(loader: Loader, device: str | torch.device = "cpu", *, depth: int = 2) -> TorchBatches:
+    """The loader's batches as tensors on ``device``; on CUDA, ``depth`` copies run ahead.
+
+    next(iter(to_torch(loader)))["inputs"].dtype == torch.int32   # for Loader(dtype="int32")
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return TorchBatches(loader, device, ops=_Cuda(device), depth=depth)
+    return TorchBatches(loader, device, ops=None, depth=depth)
+
+
+class _Device(Protocol):
+    """The stream operations of the pinned-copy pipeline: ``_Cuda`` on a GPU, a fake in tests."""
+
+    def pinned(self, like: torch.Tensor) -> torch.Tensor:
+        """A page-locked host tensor of the shape and dtype of ``like``."""
+
+    def stream(self) -> AbstractContextManager:
+        """A context in which work is issued on the side (copy) stream."""
+
+    def copy(self, host: torch.Tensor) -> torch.Tensor:
+        """A non-blocking host-to-device copy of ``host``, issued on the current stream."""
+
+    def record(self) -> Any:
+        """An event that completes when the work issued so far on the side stream has."""
+
+    def wait(self, event: Any) -> None:
+        """Make the compute (current) stream wait for ``event``; the host does not wait."""
+
+    def synchronize(self, event: Any) -> None:
+        """Block the host until ``event`` has completed."""
+
+    def keep(self, tensor: torch.Tensor) -> None:
+        """``tensor`` (allocated on the side stream) is used on the compute stream from now on."""
+
+
+class _Cuda:
+    """``_Device`` for one CUDA device, with its own side stream for host-to-device copies."""
+
+    def __init__(self, device: torch.device):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={str(device)!r} but torch.cuda.is_available() is False "
+                              f"(torch {torch.__version__}); use device='cpu' or a CUDA build")
+        self.device = torch.device("cuda", torch.cuda.current_device()
+                                   if device.index is None else device.index)
+        self.side = torch.cuda.Stream(self.device)
+
+    def pinned(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+
+    def stream(self) -> AbstractContextManager:
+        return torch.cuda.stream(self.side)
+
+    def copy(self, host: torch.Tensor) -> torch.Tensor:
+        return host.to(self.device, non_blocking=True)
+
+    def record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(self.side)
+        return event
+
+    def wait(self, event: torch.cuda.Event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def synchronize(self, event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+    def keep(self, tensor: torch.Tensor) -> None:
+        tensor.record_stream(torch.cuda.current_stream(self.device))
+
+
+class _Slot:
+    """One pinned host buffer set and the event of the last copy that read from it."""
+
+    def __init__(self, ops: _Device, arrays: Mapping[str, np.ndarray]):
+        self.host = {k: ops.pinned(torch.from_numpy(a)) for k, a in arrays.items()}
+        self.event = None
+
+
+class TorchBatches:
+    """Iterable of a Loader's batches as dicts of tensors on one device; made by ``to_torch``.
+
+    ``state_dict()`` counts only the batches handed out, not those still in flight, so
+    ``load_state_dict`` of it resumes exactly. ``close()`` closes the loader too.
+    """
+
+    def __init__(self, loader: Loader, device: torch.device, *, ops: _Device | None, depth: int = 2):
+        if not isinstance(depth, int) or depth < 1:
+            raise ConfigError(f"depth must be an int >= 1 (got depth={depth!r})")
+        self.loader, self.device, self.depth = loader, torch.device(device), depth
+        self._ops = ops
+        self._slots: list[_Slot] = []  # depth + 1: the oldest is refilled while depth are in flight
+        self._consumed = loader.consumed_samples
+        self._iterating: object | None = None
+
+    def __len__(self) -> int:
+        """Steps per epoch, as the loader's."""
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        self.loader.load_state_dict(self.state_dict())  # drop what a previous pass took ahead
+        self._iterating = token = object()
+        if self._ops is None:
+            return self._direct(token)
+        return self._pipelined(token)
+
+    def _numpy(self) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+        """The loader's batches, each with the consumed_samples count once it is handed out."""
+        for arrays in self.loader:
+            yield arrays, self.loader.consumed_samples
+
+    def _direct(self, token) -> Iterator[dict[str, torch.Tensor]]:
+        cpu = self.device.type == "cpu"
+        for arrays, consumed in self._numpy():
+            tensors = {k: torch.from_numpy(a) for k, a in arrays.items()}  # shares the memory
+            if not cpu:  # another accelerator (mps, xpu, …): a plain, blocking copy
+                tensors = {k: t.to(self.device) for k, t in tensors.items()}
+            if self._iterating is not token:
+                return
+            self._consumed = consumed
+            yield tensors
+
+    def _pipelined(self, token) -> Iterator[dict[str, torch.Tensor]]:
+        ops, ahead, issued = self._ops, deque(), 0
+        source = self._numpy()
+        while True:
+            while len(ahead) < self.depth and (item := next(source, None)) is not None:
+                arrays, consumed = item
+                ahead.append((self._send(ops, arrays, issued), consumed))
+                issued += 1
+                del arrays, item  # the loader may reuse its buffer once the host copy is done
+            if not ahead:
+                return
+            (tensors, event), consumed = ahead.popleft()
+            ops.wait(event)
+            for t in tensors.values():
+                ops.keep(t)
+            if self._iterating is not token:
+                return
+            self._consumed = consumed
+            yield tensors
+
+    def _send(self, ops: _Device, arrays: Mapping[str, np.ndarray], n: int):
+        """Copy one batch into the next pinned slot and start its device copy on the side stream."""
+        if not self._slots:
+            self._slots = [_Slot(ops, arrays) for _ in range(self.depth + 1)]
+        slot = self._slots[n % len(self._slots)]
+        if slot.event is not None:
+            ops.synchronize(slot.event)  # the copy that last read this buffer has finished
+        for k, a in arrays.items():
+            slot.host[k].copy_(torch.from_numpy(a))
+        with ops.stream():
+            tensors = {k: ops.copy(h) for k, h in slot.host.items()}
+        slot.event = ops.record()
+        return tensors, slot.event
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's state as of the last batch handed out (in-flight ones excluded)."""
+        return {**self.loader.state_dict(), "consumed_samples": int(self._consumed)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (checked by the loader); an iterator from before stops."""
+        self.loader.load_state_dict(state)
+        self._consumed = self.loader.consumed_samples
+        self._iterating = None
+
+    def close(self) -> None:
+        """Close the loader and drop the pinned buffers; safe to call twice."""
+        self._iterating = None
+        self._slots = []
+        self.loader.close()
+
+    def __enter__(self) -> TorchBatches:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _loader_spec(loader: Loader) -> dict[str, Any]:
+    """What rebuilds ``loader`` in another process (rank and world size as resolved here)."""
+    stores = [str(s.store.path) for s in loader.plan.sources]
+    if len(set(stores)) != len(stores):
+        raise ConfigError(f"a TokenDataset mixture needs distinct store paths (got {stores})")
+    return {"source": dict(zip(stores, loader.weights)), "seq_len": loader.config.seq_len,
+            "batch_size": loader.batch_size, "layout": loader.config.layout,
+            "seed": loader.config.seed, "rank": loader.rank, "world_size": loader.world_size,
+            "epochs": loader.epochs, "dtype": loader.plan.dtype.name, "cache_dir": loader.cache_dir}
+
+
+class TokenDataset(IterableDataset):
+    """A Loader's batches as an IterableDataset for ``DataLoader(ds, batch_size=None, ...)``.
+
+    Worker w of N takes steps w, w+N, …; DataLoader interleaves its workers in order, so the
+    stream equals ``loader``'s for any num_workers. Each pass (each ``for`` over the DataLoader)
+    starts where the dataset stands: at the loader's position when wrapped, or at a loaded state.
+
+    state_dict(): ``{"version", "consumed_samples", "fingerprint"}`` as the Loader's; inside a
+    DataLoader worker it also holds ``worker`` and ``num_workers``, and ``consumed_samples`` is
+    where that worker's next step starts (StatefulDataLoader keeps one such state per worker).
+    """
+
+    def __init__(self, loader: Loader):
+        super().__init__()
+        self._spec = _loader_spec(loader)
+        self.fingerprint = loader.fingerprint
+        self.global_batch_size = loader.global_batch_size
+        self.total_steps = loader.total_steps
+        self._start = loader.consumed_samples  # where a pass starts …
+        self._own = False  # … for the whole stream (False) or for this worker alone (True)
+        self._next: int | None = None  # where this copy's next step starts, during a pass
+        self._loader: Loader | None = None
+        self._pid: int | None = None
+
+    def __len__(self) -> int:
+        """Steps from the start position to the end of the loader's ``epochs``."""
+        if self.total_steps is None:
+            raise TypeError("a TokenDataset over Loader(epochs=None) is endless and has no len()")
+        end = self.total_steps * self.global_batch_size
+        return max(0, (end - self._start) // self.global_batch_size)
+
+    def _get_loader(self) -> Loader:
+        if self._loader is None or self._pid != os.getpid():  # fresh in each worker process
+            self._loader = Loader(**self._spec, num_workers=0)
+            self._pid = os.getpid()
+            if self._loader.fingerprint != self.fingerprint:
+                raise ConfigError(f"the stores changed since the TokenDataset was made: fingerprint "
+                                  f"{self._loader.fingerprint!r}, expected {self.fingerprint!r}")
+        return self._loader
+
+    def _first(self) -> int:
+        if self._own:
+            return self._start
+        info = get_worker_info()
+        return self._start + (0 if info is None else info.id) * self.global_batch_size
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        info = get_worker_info()
+        stride = (1 if info is None else info.num_workers) * self.global_batch_size
+        end = None if self.total_steps is None else self.total_steps * self.global_batch_size
+        loader = self._get_loader()
+        self._next = self._first()
+        while end is None or self._next + self.global_batch_size <= end:
+            consumed = self._next
+            self._next += stride  # before the yield: a state taken now counts this batch
+            yield {k: torch.from_numpy(a) for k, a in loader.batch_at(consumed).items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this copy's next step starts (see the class docstring)."""
+        state = {"version": STATE_VERSION, "fingerprint": self.fingerprint,
+                 "consumed_samples": int(self._first() if self._next is None else self._next)}
+        if (info := get_worker_info()) is not None:
+            state.update(worker=info.id, num_workers=info.num_workers)
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Start the next pass at ``state``: a Loader's or TokenDataset's, or one worker's own."""
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            raise ConfigError(f"unsupported loader state (want version {STATE_VERSION}): {state!r}")
+        if state.get("fingerprint") != self.fingerprint:
+            raise ConfigError(f"loader state fingerprint {state.get('fingerprint')!r} does not match "
+                              f"this dataset's {self.fingerprint!r}: the stores, seq_len, layout, "
+                              "seed or mixture weights differ from the run that saved it")
+        consumed = state.get("consumed_samples")
+        if not isinstance(consumed, int) or consumed < 0:
+            raise ConfigError(f"consumed_samples must be an int >= 0 (got {consumed!r})")
+        own = "worker" in state
+        if own:
+            info = get_worker_info()
+            here = None if info is None else (info.id, info.num_workers)
+            if here != (state["worker"], state.get("num_workers")):
+                raise ConfigError(f"this state belongs to DataLoader worker {state['worker']} of "
+                                  f"{state.get('num_workers')}, not to {here or 'the main process'}; "
+                                  "restore it through the StatefulDataLoader that saved it")
+        self._start, self._own, self._next = consumed, own, None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_loader": None, "_pid": None}

@@ -1,0 +1,299 @@
+"""PyTorch integration: tensors on a device, the pinned-copy pipeline (through a fake device),
+DataLoader/StatefulDataLoader workers, exact resume, and two real gloo ranks."""
+
+import contextlib
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from conftest import write_positional_store
+from tokenmill.errors import ConfigError
+from tokenmill.integrations.torch import TokenDataset, TorchBatches, to_torch
+from tokenmill.loader import Loader
+
+L = 8
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """Token = global position; 96·L + L tokens: 96 concat samples an epoch, over 3 shards."""
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 40, size=30)
+    lengths[-1] += 97 * L - lengths.sum()
+    assert lengths[-1] > 0
+    return write_positional_store(tmp_path_factory.mktemp("t") / "store", lengths, shard_tokens=300)
+
+
+def expected(loader, steps, start=0):
+    """The loader's own batches for steps [start, start + steps), as numpy."""
+    gb = loader.global_batch_size
+    return [loader.batch_at(start + k * gb) for k in range(steps)]
+
+
+def same(got, want):
+    return len(got) == len(want) and all(
+        g.keys() == w.keys() and all(np.array_equal(np.asarray(g[k]), w[k]) for k in w)
+        for g, w in zip(got, want))
+
+
+def take(iterable, n):
+    """n batches as numpy copies."""
+    return [{k: t.numpy().copy() for k, t in b.items()} for _, b in zip(range(n), iterable)]
+
+
+# ---- a fake device: copies run late, so every missing wait or synchronize shows -------------
+
+class FakeEvent:
+    def __init__(self, upto):
+        self.upto = upto  # it completes with copies[:upto], the ones issued before it
+
+
+class FakeDevice:
+    """``_Device`` on CPU whose side-stream copies run only when the host synchronizes on an
+    event (or at ``drain``), reading the pinned buffer at *that* moment: a buffer refilled before
+    its copy finished yields wrong data, and a tensor handed out before the compute stream was
+    told to wait for it is caught by ``visible``."""
+
+    def __init__(self):
+        self.copies = []  # (host, device tensor), in issue order
+        self.done = 0  # copies that have run
+        self.visible = 0  # copies the compute stream has waited for
+        self.kept = set()
+        self.in_stream = False
+        self.pinned_count = 0
+
+    def pinned(self, like):
+        self.pinned_count += 1
+        return torch.empty_like(like)
+
+    @contextlib.contextmanager
+    def stream(self):
+        self.in_stream = True
+        yield
+        self.in_stream = False
+
+    def copy(self, host):
+        assert self.in_stream, "a copy issued outside the side stream"
+        dst = torch.full_like(host, -1)
+        self.copies.append((host, dst))
+        return dst
+
+    def record(self):
+        return FakeEvent(len(self.copies))
+
+    def wait(self, event):
+        self.visible = max(self.visible, event.upto)
+
+    def synchronize(self, event):
+        self._run(event.upto)
+
+    def keep(self, tensor):
+        self.kept.add(id(tensor))
+
+    def drain(self):
+        self._run(len(self.copies))
+
+    def _run(self, upto):
+        for host, dst in self.copies[self.done:upto]:
+            dst.copy_(host)
+        self.done = max(self.done, upto)
+
+    def index(self, tensor):
+        return next(i for i, (_, d) in enumerate(self.copies) if d is tensor)
+
+
+def test_cpu_batches_equal_the_loader_and_share_its_memory(store):
+    with to_torch(Loader(store, seq_len=L, batch_size=4, seed=3, epochs=1, num_workers=2)) as batches:
+        held = list(batches)  # tensors kept, not copied: the loader must not reuse their memory
+        for b in held:
+            assert b["inputs"].dtype == torch.int32 and b["inputs"].device.type == "cpu"
+            assert not b["inputs"].untyped_storage().resizable()  # from_numpy: numpy owns it
+        assert len(held) == len(batches) == 96 // 4
+        assert same(held, expected(batches.loader, len(held)))
+
+
+def test_pipeline_delivers_exact_batches_overlapped_waited_and_kept(store):
+    fake = FakeDevice()
+    loader = Loader(store, seq_len=L, batch_size=4, layout="packed", seed=1, num_workers=2)
+    held, n_keys = [], 5  # inputs, targets, segment_ids, positions, loss_mask
+    with TorchBatches(loader, torch.device("cpu"), ops=fake, depth=2) as batches:
+        for k, b in zip(range(30), batches):
+            assert len(fake.copies) >= (k + 2) * n_keys  # batch k+1 was sent before k is used
+            for t in b.values():
+                assert fake.index(t) < fake.visible, "handed out before the compute stream waited"
+                assert id(t) in fake.kept, "handed out without record_stream"
+            held.append(b)
+        assert fake.pinned_count == 3 * n_keys  # depth + 1 pinned slots, reused
+        fake.drain()
+        assert same(held, expected(loader, 30))
+
+
+def test_fake_device_catches_a_buffer_refilled_too_early(store):
+    fake = FakeDevice()
+    fake.synchronize = lambda event: None  # the bug: refill a pinned slot without waiting
+    loader = Loader(store, seq_len=L, batch_size=4, seed=1)
+    batches = TorchBatches(loader, torch.device("cpu"), ops=fake, depth=2)
+    held = [b for _, b in zip(range(8), batches)]
+    fake.drain()
+    assert not same(held, expected(loader, 8))
+
+
+@pytest.mark.parametrize("ops", [None, "fake"])
+def test_resumes_exactly_at_every_step_despite_batches_in_flight(store, ops):
+    def make():
+        loader = Loader(store, seq_len=L, batch_size=8, seed=2, epochs=2)
+        fake = FakeDevice() if ops else None
+        return TorchBatches(loader, torch.device("cpu"), ops=fake, depth=3), fake
+
+    def run(batches, fake, n):
+        held = [b for _, b in zip(range(n), batches)]
+        if fake:
+            fake.drain()
+        return [{k: t.numpy().copy() for k, t in b.items()} for b in held]
+
+    ref_batches, ref_fake = make()
+    ref = run(ref_batches, ref_fake, 24)
+    assert len(ref) == 24 and same(ref, expected(ref_batches.loader, 24))
+    for k in range(0, 25, 3):
+        a, fa = make()
+        run(a, fa, k)
+        state = json.loads(json.dumps(a.state_dict()))
+        assert state["consumed_samples"] == 8 * k
+        b, fb = make()
+        b.load_state_dict(state)
+        assert same(run(b, fb, 24 - k), ref[k:]), f"resume at step {k} diverged"
+        a.close()
+        b.close()
+
+
+def test_a_second_pass_continues_after_the_last_batch_handed_out(store):
+    loader = Loader(store, seq_len=L, batch_size=4, seed=6)
+    batches = TorchBatches(loader, torch.device("cpu"), ops=FakeDevice(), depth=3)
+    first = [b for _, b in zip(range(5), batches)]  # three more were in flight
+    batches._ops.drain()
+    second = [b for _, b in zip(range(4), batches)]
+    batches._ops.drain()
+    assert same(first + second, expected(loader, 9))
+
+
+@pytest.mark.filterwarnings("ignore:.*pin_memory")  # no accelerator on CI
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker")  # 2 cores
+@pytest.mark.parametrize("workers", [0, 1, 3])
+def test_dataloader_workers_keep_the_loaders_order_to_the_end(store, workers):
+    loader = Loader(store, seq_len=L, batch_size=6, seed=4, epochs=2)  # 32 steps: not a multiple of 3
+    kw = dict(persistent_workers=True) if workers else {}
+    dl = DataLoader(TokenDataset(loader), batch_size=None, num_workers=workers, pin_memory=True, **kw)
+    got = take(dl, 100)
+    assert len(dl) == 32
+    assert same(got, expected(loader, 32))
+
+
+@pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")  # torchdata 0.11 on torch 2.13
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_resumes_exactly(store, workers):
+    loader = Loader(store, seq_len=L, batch_size=4, seed=9, layout="packed")
+
+    def make():
+        return StatefulDataLoader(TokenDataset(loader), batch_size=None, num_workers=workers)
+
+    steps = 11
+    ref = take(make(), steps)
+    assert same(ref, expected(loader, steps))
+    for k in (0, 1, 4, 7):
+        a = make()
+        it = iter(a)
+        take(it, k)
+        state = pickle.loads(pickle.dumps(a.state_dict()))
+        del it, a
+        b = make()
+        b.load_state_dict(state)
+        assert same(take(b, steps - k), ref[k:]), f"resume at step {k} diverged"
+
+
+def test_dataset_continues_from_a_loader_state_and_survives_pickling(store):
+    loader = Loader(store, seq_len=L, batch_size=4, seed=9)
+    for _ in zip(range(5), loader):
+        pass
+    ds = TokenDataset(loader)
+    assert ds.state_dict() == loader.state_dict()
+    got = take(pickle.loads(pickle.dumps(ds)), 3)  # as sent to a spawned worker
+    assert same(got, expected(loader, 3, start=5 * 4))
+
+
+def test_bad_states_and_settings_are_refused(store, tmp_path):
+    loader = Loader(store, seq_len=L, batch_size=4)
+    other = Loader(store, seq_len=L, batch_size=4, seed=1)
+    ds = TokenDataset(loader)
+    with pytest.raises(ConfigError, match="fingerprint"):
+        ds.load_state_dict(other.state_dict())
+    with pytest.raises(ConfigError, match="worker 1 of 2"):
+        ds.load_state_dict({**loader.state_dict(), "worker": 1, "num_workers": 2})
+    with pytest.raises(ConfigError, match="depth"):
+        to_torch(loader, depth=0)
+    with pytest.raises(ConfigError, match="fingerprint"):
+        to_torch(loader).load_state_dict(other.state_dict())
+    with pytest.raises(TypeError, match="endless"):
+        len(ds)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="cuda"):
+            to_torch(loader, device="cuda")
+
+
+# ---- two real ranks --------------------------------------------------------------------------
+
+def _rank_main(rank, world, store, rendezvous, out):
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        loader = Loader(store, seq_len=L, batch_size=4, seed=11, epochs=1)  # rank from torch.distributed
+        dataset = TokenDataset(loader)
+        ids = [b["inputs"][:, 0].tolist() for b in to_torch(loader)]  # first token = sample start
+        via_dataset = [b["inputs"][:, 0].tolist()
+                       for b in DataLoader(dataset, batch_size=None, num_workers=0)]
+        gathered = [None] * world
+        dist.all_gather_object(gathered, {"rank": loader.rank, "world": loader.world_size,
+                                          "ids": ids, "via_dataset": via_dataset})
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(gathered, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_split_an_epoch_disjointly_and_completely(store, tmp_path):
+    out = tmp_path / "gathered.json"
+    mp.spawn(_rank_main, args=(2, str(store), str(tmp_path / "rendezvous"), str(out)), nprocs=2)
+    gathered = json.loads(out.read_text())
+    assert [(g["rank"], g["world"]) for g in gathered] == [(0, 2), (1, 2)]
+    steps = [len(g["ids"]) for g in gathered]
+    assert steps == [96 // 8] * 2  # equal step counts: one epoch of 96 samples, 8 a global step
+    flat = [[s for batch in g["ids"] for s in batch] for g in gathered]
+    assert not set(flat[0]) & set(flat[1])
+    offset = min(flat[0] + flat[1]) % L  # the epoch's window offset: every window, once
+    assert sorted(flat[0] + flat[1]) == [offset + i * L for i in range(96)]
+    assert all(g["via_dataset"] == g["ids"] for g in gathered)
+
+
+# ---- the guide's example runs as written ---------------------------------------------------
+
+def test_guide_example_runs(tmp_path):
+    """docs/guide-torch.md's python blocks, in order, as one script in an empty directory."""
+    guide = Path(__file__).resolve().parents[1] / "docs" / "guide-torch.md"
+    code = "\n".join(re.findall(r"```python\n(.*?)```", guide.read_text(), re.S))
+    (tmp_path / "guide.py").write_text(code)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "guide.py"], cwd=tmp_path, env=env, timeout=300,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "loss after 60 steps" in done.stdout
