@@ -65,3 +65,14 @@ def test_inspect_refuses_unfinished_store(tmp_path):
     (tmp_path / "s" / "shard-00000.bin").write_bytes(b"")
     r = run("inspect", str(tmp_path / "s"))
     assert r.returncode == 2 and "prepare did not finish" in r.stderr
+
+
+def test_plan_prints_the_buffer_memory():
+    r = run("plan", "--seq-len", "2048", "--batch-size", "8", "--prefetch", "2")
+    # (2 prefetched + 2 held) × 8 rows × 2048 × (inputs + targets, int32) = 0.50 MiB
+    assert r.returncode == 0 and "batch ring           0.50 MiB" in r.stdout
+
+
+def test_bench_unknown_name_is_a_clear_error(store):
+    r = run("bench", str(store), "--only", "nosuchloader")
+    assert r.returncode == 2 and "nosuchloader" in r.stderr and "naive" in r.stderr

@@ -1,4 +1,4 @@
-"""The command line: ``tokenmill prepare | inspect | verify | demo``."""
+"""The command line: ``tokenmill prepare | inspect | verify | bench | plan | demo``."""
 
 from __future__ import annotations
 
@@ -47,6 +47,18 @@ def _parser() -> argparse.ArgumentParser:
 
     pv = sub.add_parser("verify", help="check a store's structure and every checksum")
     pv.add_argument("store")
+
+    pb = sub.add_parser("bench", help="compare tokenmill with other loaders on a store")
+    from tokenmill.bench import add_arguments
+    add_arguments(pb)
+
+    pl = sub.add_parser("plan", help="memory the loader's buffers take for a config")
+    pl.add_argument("--seq-len", type=int, required=True)
+    pl.add_argument("--batch-size", type=int, required=True)
+    pl.add_argument("--layout", choices=["concat", "packed"], default="concat")
+    pl.add_argument("--dtype", choices=["int32", "int64"], default="int32")
+    pl.add_argument("--prefetch", type=int, default=2)
+    pl.add_argument("--store", default=None, help="a store, to size the packed layout")
 
     pd = sub.add_parser("demo", help="the end-to-end demo on built-in data")
     pd.add_argument("--out", default="demo-out", help="working directory (default demo-out)")
@@ -101,10 +113,33 @@ def _verify(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from tokenmill.bench import run_from_args
+    return run_from_args(args)
+
+
+def _plan(args) -> int:
+    from tokenmill.loader import PREFETCH_MEMORY_BUDGET, memory_plan
+    docs = 0
+    if args.store:
+        from tokenmill.store import read_manifest
+        docs = read_manifest(args.store)["num_documents"]
+    plan = memory_plan(seq_len=args.seq_len, batch_size=args.batch_size, layout=args.layout,
+                       dtype=args.dtype, prefetch=args.prefetch, num_documents=docs)
+    print(f"batch ring     {plan['batch_ring'] / 2**20:10.2f} MiB  "
+          f"({args.prefetch} prefetched + 2 held batches of {args.batch_size}×{args.seq_len})")
+    if args.layout == "packed":
+        print(f"packed layout  {plan['packed_layout'] / 2**20:10.2f} MiB  ({docs:,} documents)")
+    print(f"total          {plan['total'] / 2**20:10.2f} MiB  (prefetch=\"auto\" grows within "
+          f"{PREFETCH_MEMORY_BUDGET / 2**30:.0f} GiB)")
+    return 0
+
+
 def _demo(args) -> int:
     from tokenmill.demo import run_demo
     run_demo(Path(args.out), quick=args.quick)
     return 0
 
 
-_COMMANDS = {"prepare": _prepare, "inspect": _inspect, "verify": _verify, "demo": _demo}
+_COMMANDS = {"prepare": _prepare, "inspect": _inspect, "verify": _verify, "bench": _bench,
+             "plan": _plan, "demo": _demo}

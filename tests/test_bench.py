@@ -1,0 +1,144 @@
+"""tokenmill bench: every installed contender, each in its own child process, on a tiny
+positional store; the table, JSON and PNG it writes; --only/--skip; missing peers skipped."""
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import json
+import math
+
+import numpy as np
+import pytest
+
+from conftest import write_positional_store
+from tokenmill import bench
+from tokenmill.errors import ConfigError
+
+L, B = 32, 4
+SMALL = ["--seq-len", str(L), "--batch-size", str(B), "--seconds", "0.3", "--steps", "10",
+         "--step-ms", "2"]
+
+
+def installed(name: str) -> bool:
+    need = bench.REQUIRES.get(name)
+    return need is None or importlib.util.find_spec(need) is not None
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """Token = global position: 20,000 tokens in 4 shards."""
+    lengths = np.random.default_rng(5).integers(1, 300, size=120)
+    lengths[-1] += 20_000 - lengths.sum()
+    assert lengths[-1] > 0
+    return write_positional_store(tmp_path_factory.mktemp("bench") / "store", lengths,
+                                  shard_tokens=5_000)
+
+
+@pytest.fixture(scope="module")
+def ran(store, tmp_path_factory):
+    """One bench run of every contender through the command-line entry point."""
+    out = tmp_path_factory.mktemp("out")
+    args = parse([str(store), *SMALL, "--json", str(out / "b.json"), "--plot", str(out / "b.png")])
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        code = bench.run_from_args(args)
+    return code, text.getvalue(), out
+
+
+def test_every_installed_contender_produced_figures(ran):
+    code, _, out = ran
+    assert code == 0
+    report = json.loads((out / "b.json").read_text())
+    results = {r["name"]: r for r in report["results"]}
+    assert list(results) == list(bench.CONTENDERS)
+    for name, r in results.items():
+        if not installed(name):
+            assert "not installed" in r["skipped"] and "tokens_per_s" not in r
+            continue
+        assert "error" not in r and "skipped" not in r, r
+        assert r["tokens_per_s"] > 0, name
+        assert 0 < r["time_to_first_batch_s"] < 60, name
+        assert r["peak_rss_mb"] >= r["peak_anon_mb"] > 10, name  # an interpreter with numpy
+        assert 0 <= r["data_wait_pct"] <= 100, name
+        assert r["wait_p99_ms"] >= 0, name
+        assert math.isfinite(r["step_slowdown_pct"]) and r["step_slowdown_pct"] > -100, name
+        assert r["step_ms_alone"] > 0 and r["step_ms_with_loader"] > 0, name
+    assert results["naive"]["vs_naive"] == 1.0
+    assert report["settings"]["passes"] >= 1 and report["machine"]["cores"] >= 1
+
+
+def test_table_json_and_png(ran):
+    _, text, out = ran
+    report = json.loads((out / "b.json").read_text())
+    assert text.startswith("$ ") and "machine:" in text and "notes:" in text
+    header = next(line for line in text.splitlines() if line.startswith("contender"))
+    for column in ("tokens/s", "× naive", "1st batch", "peak RSS", "data wait", "p99 wait",
+                   "step slowdown"):
+        assert column in header
+    for name in bench.CONTENDERS:
+        assert any(line.startswith(name + " ") for line in text.splitlines()), name
+    assert bench.format_table(report["results"]) in text
+    if installed("torch-dataloader"):
+        assert any(n.startswith("torch-dataloader: ") and "pin_memory" in n
+                   for n in report["notes"])
+    assert (out / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name", list(bench.CONTENDERS))
+def test_contenders_sample_windows_of_the_store(store, name):
+    if not installed(name):
+        pytest.skip(f"{bench.REQUIRES[name]} not installed")
+    it = bench.CONTENDERS[name](str(store), L, B, 0)
+    try:
+        firsts = []
+        for _ in range(3):
+            batch = next(it)
+            x, y = np.asarray(batch["inputs"]), np.asarray(batch["targets"])
+            assert x.shape == y.shape == (B, L)
+            assert (y == x + 1).all()  # targets are the inputs shifted by one token
+            assert (np.diff(x, axis=1) == 1).all()  # each row is one contiguous window
+            assert x.min() >= 0 and y.max() < 20_000
+            firsts += x[:, 0].tolist()
+        assert len(set(firsts)) > 1  # random windows, not one repeated
+    finally:
+        it.close()
+
+
+def test_only_and_skip_select_in_registry_order():
+    assert bench.select(only="nanogpt, naive") == ["naive", "nanogpt"]
+    assert bench.select(skip=["grain", "torch-dataloader"]) == [
+        n for n in bench.CONTENDERS if n not in ("grain", "torch-dataloader")]
+    assert bench.select(only="naive,tokenmill", skip="tokenmill") == ["naive"]
+    with pytest.raises(ConfigError, match="leave no contender"):
+        bench.select(only="naive", skip="naive")
+
+
+def test_unknown_names_are_a_clear_error_listing_the_valid_ones(store):
+    for flag in ("--only", "--skip"):
+        with pytest.raises(ConfigError, match=r"unknown contender 'nanogtp'.*naive, nanogpt"):
+            bench.run_from_args(parse([str(store), *SMALL, flag, "naive,nanogtp"]))
+
+
+def test_bad_settings_and_too_small_a_store(store):
+    with pytest.raises(ConfigError, match="seq_len must be an int >= 1"):
+        bench.run(store, seq_len=0, names=["naive"])
+    with pytest.raises(ConfigError, match="step_ms must be a number > 0"):
+        bench.run(store, step_ms=0, names=["naive"])
+    with pytest.raises(ConfigError, match="too few"):
+        bench.run(store, seq_len=4096, batch_size=8, names=["naive"])
+
+
+def test_a_missing_peer_is_skipped_with_a_note(store, monkeypatch):
+    monkeypatch.setitem(bench.REQUIRES, "nanogpt", "no_such_module_for_tokenmill")
+    r = bench._measure_or_why("nanogpt", {})
+    assert r == {"skipped": "not installed (No module named 'no_such_module_for_tokenmill')"}
+    notes = bench._notes([{"name": "nanogpt", **r}], passes=10, step_ms=2)
+    assert "nanogpt: skipped, not installed (No module named" in notes[-1]
+    assert "skipped" in bench.format_table([{"name": "nanogpt", **r}])
