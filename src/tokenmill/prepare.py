@@ -14,6 +14,7 @@ anything after them, and continues from the last cursor. The manifest is written
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -30,10 +31,10 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import xxhash
 
-from tokenmill import sources
+from tokenmill import remote, sources
 from tokenmill.errors import ConfigError, InputError, StoreError
 from tokenmill.store import (MANIFEST, ShardInfo, ShardWriter, atomic_write_json, build_manifest,
-                             read_manifest, shard_name, xxh3_file)
+                             json_bytes, parse_manifest, read_manifest, shard_name, xxh3_file)
 from tokenmill.tokenizer import encode_documents, load_tokenizer, token_dtype
 
 PROGRESS = ".progress"
@@ -55,7 +56,7 @@ class PrepareConfig:
     eos: str | None = None
     bos: str | None = None
     fast_tokenizer: bool = True
-    unit_bytes: int = 16 << 20
+    unit_bytes: int = 4 << 20  # 4 MiB units: small enough that 2 workers end together
 
     def __post_init__(self):
         if self.shard_tokens < 1:
@@ -73,6 +74,7 @@ class PrepareConfig:
         """What the manifest records: the config minus display-only fields, plus the inputs."""
         s = asdict(self)
         s.pop("fast_tokenizer")  # both engines give identical ids (proven at load time)
+        s.pop("unit_bytes")  # how work is split never changes the bytes (the resume key has it)
         s["inputs"] = list(inputs)
         s["num_files"] = len(files)
         s["files_xxh3"] = xxhash.xxh3_64_hexdigest("\n".join(f"{f}\t{sizes[f]}" for f in files).encode())
@@ -210,8 +212,10 @@ def _file_sizes(files: Sequence[str], storage_options) -> dict[str, int]:
     return sizes
 
 
-def _resume_key(settings: dict, files: Sequence[str], sizes: dict[str, int]) -> dict:
-    """Settings plus each file's size and mtime: a rerun resumes only on unchanged inputs."""
+def _resume_key(settings: dict, files: Sequence[str], sizes: dict[str, int],
+                unit_bytes: int) -> dict:
+    """Settings, the unit size (cursors count units) and each file's size and mtime: a rerun
+    resumes only on unchanged inputs."""
     mtimes = []
     for f in files:
         try:
@@ -219,11 +223,14 @@ def _resume_key(settings: dict, files: Sequence[str], sizes: dict[str, int]) -> 
         except OSError:
             mtimes.append(0)
     stamp = "\n".join(f"{f}\t{sizes.get(f, 0)}\t{m}" for f, m in zip(files, mtimes))
-    return {"settings": settings, "inputs_xxh3": xxhash.xxh3_64_hexdigest(stamp.encode())}
+    return {"settings": settings, "unit_bytes": unit_bytes,
+            "inputs_xxh3": xxhash.xxh3_64_hexdigest(stamp.encode())}
 
 
-def _load_progress(out: Path, key: dict, overwrite: bool) -> tuple[list[ShardInfo], tuple[int, int], SkipLog]:
-    """Committed shards that still verify, the cursor after the last, and the skips up to it."""
+def _load_progress(out: Path, key: dict, overwrite: bool, intact=None
+                   ) -> tuple[list[ShardInfo], tuple[int, int], SkipLog]:
+    """Committed shards that still verify (``intact(info)``, default: the local files' checksums),
+    the cursor after the last, and the skips up to it."""
     pdir = out / PROGRESS
     key_file = pdir / "key.json"
     if key_file.exists():
@@ -245,7 +252,7 @@ def _load_progress(out: Path, key: dict, overwrite: bool) -> tuple[list[ShardInf
             info = ShardInfo(**rec["shard"])
         except (json.JSONDecodeError, KeyError, TypeError):
             break
-        if not _shard_intact(out, info):
+        if not (intact(info) if intact else _shard_intact(out, info)):
             break
         shards.append(info)
         cursor, skips = tuple(rec["cursor"]), SkipLog.from_json(rec["skipped"])
@@ -302,18 +309,46 @@ def _check_out_dir(out: Path, key: dict, overwrite: bool) -> dict | None:
     return None
 
 
+def _check_remote_out(target: remote.RemoteOut, key: dict, overwrite: bool) -> dict | None:
+    """``_check_out_dir`` for a URL: the remote manifest if it is this very store, else None
+    (after clearing the remote store under ``overwrite``); raise if it holds something else."""
+    data = target.manifest_text()
+    if data is not None:
+        try:
+            manifest = parse_manifest(data, f"{target.url}/{MANIFEST}")
+        except StoreError:
+            manifest = None
+        if manifest is not None and manifest.get("settings") == key["settings"] and not overwrite:
+            return manifest
+        if not overwrite:
+            raise ConfigError(f"{target.url}: already holds a store prepared with other settings; "
+                              "pass --overwrite to replace it, or choose another --out")
+        target.clear()
+        shutil.rmtree(target.staging, ignore_errors=True)
+        return None
+    if (foreign := target.foreign_files()) and not overwrite:
+        raise ConfigError(f"{target.url}: exists and holds other files ({', '.join(foreign[:3])}); "
+                          "choose an empty or new --out")
+    return None
+
+
 def prepare(inputs: str | Sequence[str], *, out: str | os.PathLike, tokenizer: str = "bytes",
             workers: int | str = "auto", progress: bool | None = None, overwrite: bool = False,
             storage_options: dict | None = None, **options: Any) -> dict:
     """Tokenize ``inputs`` into a store at ``out``; resumes an interrupted run; returns the manifest.
 
+    ``out`` may be an fsspec URL (``s3://bucket/store``): the store is staged under
+    ``$TOKENMILL_CACHE_DIR/staging/``, each shard uploaded as it is committed and the manifest
+    last; rerunning the same command resumes. ``storage_options`` go to fsspec for inputs and out.
     ``options`` are ``PrepareConfig`` fields (shard_tokens, text_key, txt_mode, on_error, …).
     """
     config = PrepareConfig(tokenizer=tokenizer, **options)
     n_workers = resolve_workers(workers)
     inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     inputs = [str(i) for i in inputs]
-    out = Path(out)
+    # out="s3://…": shards are staged locally, each uploaded as it is committed, manifest last
+    target = remote.RemoteOut(os.fspath(out), storage_options) if remote.is_url(out) else None
+    out = target.staging if target else Path(out)
     tok = load_tokenizer(config.tokenizer, fast=config.fast_tokenizer, eos=config.eos, bos=config.bos)
     if config.add_bos and tok.bos_id is None:
         raise ConfigError(f"add_bos=True but tokenizer {config.tokenizer!r} has no BOS token; "
@@ -323,14 +358,19 @@ def prepare(inputs: str | Sequence[str], *, out: str | os.PathLike, tokenizer: s
                                            storage_options=storage_options)
     sizes = _file_sizes(files, storage_options)
     settings = config.settings(inputs, files, sizes)
-    key = _resume_key(settings, files, sizes)
-    if (done := _check_out_dir(out, key, overwrite)) is not None:
-        shutil.rmtree(out / PROGRESS, ignore_errors=True)
-        _report(f"{out}: already complete ({done['num_documents']:,} documents, "
-                f"{done['num_tokens']:,} tokens)", progress)
+    key = _resume_key(settings, files, sizes, config.unit_bytes)
+    done = (_check_remote_out(target, key, overwrite) if target
+            else _check_out_dir(out, key, overwrite))
+    if done is not None:
+        shutil.rmtree(out if target else out / PROGRESS, ignore_errors=True)
+        _report(f"{target.url if target else out}: already complete "
+                f"({done['num_documents']:,} documents, {done['num_tokens']:,} tokens)", progress)
         return done
     out.mkdir(parents=True, exist_ok=True)
-    shards, (cur_unit, cur_doc), skips = _load_progress(out, key, overwrite)
+    shards, (cur_unit, cur_doc), skips = _load_progress(out, key, overwrite,
+                                                        target.has_shard if target else None)
+    if target:
+        target.remove_from(len(shards))  # uploads that were never committed
     if cur_unit == 0 and cur_doc == 0 and not shards:
         for s in list_skips:
             skips.add(s)
@@ -346,9 +386,12 @@ def prepare(inputs: str | Sequence[str], *, out: str | os.PathLike, tokenizer: s
             (skips.add(s) if (u, o) < cursor else keep.append((u, o, s)))
         pending[:] = keep
         shards.append(info)
-        atomic_write_json(out / PROGRESS / f"{info.name}.json",
-                          {"shard": info.to_json(), "cursor": list(cursor),
-                           "skipped": skips.to_json()})
+        record = {"shard": info.to_json(), "cursor": list(cursor), "skipped": skips.to_json()}
+        write = functools.partial(atomic_write_json, out / PROGRESS / f"{info.name}.json", record)
+        if target:
+            target.submit(out, info, on_uploaded=write)  # commits once the upload is verified
+        else:
+            write()
 
     try:
         for u, res in _ordered_results(units, cur_unit, n_workers, config, storage_options, tok):
@@ -364,8 +407,12 @@ def prepare(inputs: str | Sequence[str], *, out: str | os.PathLike, tokenizer: s
             commit(info, (len(units), 0))
         for _, _, s in pending:
             skips.add(s)
+        if target:
+            target.drain()
     except BaseException:
         writer.abort()
+        if target:
+            target.abort()
         meter.close()
         raise
     meter.close()
@@ -374,8 +421,12 @@ def prepare(inputs: str | Sequence[str], *, out: str | os.PathLike, tokenizer: s
         raise InputError(f"no documents found in {len(files)} input file(s) (skipped: {reasons})")
     manifest = build_manifest(tokenizer=tok.identity(), dtype=dtype, shards=shards,
                               settings=settings, skipped=skips.to_json())
-    atomic_write_json(out / MANIFEST, manifest)
-    shutil.rmtree(out / PROGRESS, ignore_errors=True)
+    if target:
+        target.write_manifest(json_bytes(manifest))
+        shutil.rmtree(out, ignore_errors=True)
+    else:
+        atomic_write_json(out / MANIFEST, manifest)
+        shutil.rmtree(out / PROGRESS, ignore_errors=True)
     _report(summary_line(manifest), progress)
     return manifest
 

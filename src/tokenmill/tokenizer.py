@@ -396,6 +396,12 @@ class HFTokenizer:
         found = [c for c in candidates if c in specials]
         return self._hf.token_to_id(found[0]) if found else None
 
+
+    @property
+    def tiktoken_encoding(self):
+        """The equivalent tiktoken ``Encoding`` when the fast path is on and its ranks are the
+        ids (no remapping table), else None."""
+        return self._enc if self._lut is None else None
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         if self._enc is not None:
             ids = [_encode_np(self._enc, t, self._allowed) for t in texts]
