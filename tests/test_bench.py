@@ -93,8 +93,8 @@ def test_table_json_and_png(ran):
 
 @pytest.mark.parametrize("name", list(bench.CONTENDERS))
 def test_contenders_sample_windows_of_the_store(store, name):
-    if not installed(name):
-        pytest.skip(f"{bench.REQUIRES[name]} not installed")
+    # every peer is a dev dependency: a missing one is a broken install, not a skip
+    assert installed(name), f"{bench.REQUIRES[name]} not installed"
     it = bench.CONTENDERS[name](str(store), L, B, 0)
     try:
         firsts = []

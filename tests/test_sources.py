@@ -14,7 +14,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenmill import sources
+from tokenmill import readers, sources
 from tokenmill.errors import ConfigError, InputError
 from tokenmill.sources import (REASONS, SourceConfig, Skip, Unit, format_of, list_files, plan_units,
                                read_documents, read_unit)
@@ -57,7 +57,8 @@ def shape(items) -> list:
 # ---- formats ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,fmt", [("a.txt", "txt"), ("d/a.jsonl", "jsonl"), ("A.JSONL.GZ", "jsonl.gz"),
-                                      ("s3://b/a.jsonl.zst", "jsonl.zst"), ("x.parquet", "parquet")])
+                                      ("s3://b/a.jsonl.zst", "jsonl.zst"), ("x.parquet", "parquet"),
+                                      ("ds/data-00000-of-00001.arrow", "arrow")])
 def test_format_of(name, fmt):
     assert format_of(name) == fmt
 
@@ -229,6 +230,133 @@ def test_memory_urls(memfs):
     assert list_files(f"memory://{root}/*.jsonl*")[0] == files[:2]
 
 
+# ---- Hugging Face datasets (save_to_disk): Arrow IPC streams --------------------------------------
+
+DOCS = [f"row {i} é✓ 🚀" + "x" * (i % 7) for i in range(2600)]  # each names its own position
+
+
+@pytest.fixture(scope="module")
+def hf_dataset(tmp_path_factory):
+    """A real dataset saved by the `datasets` package: 2 data files of 1,300 rows, record batches
+    of 1,000 rows (datasets' own writer), plus a cache file that is not part of it."""
+    import datasets  # a dev dependency: missing means the install is broken, not a skip
+    root = tmp_path_factory.mktemp("hf") / "ds"
+    datasets.Dataset.from_dict({"text": DOCS, "n": list(range(len(DOCS)))}).save_to_disk(
+        str(root), num_shards=2)
+    pa.ipc.new_stream(str(root / "cache-0123.arrow"), pa.schema([("text", pa.string())])).close()
+    return root
+
+
+def test_dataset_directory_lists_its_data_files(hf_dataset, tmp_path):
+    names = [f"data-0000{i}-of-00002.arrow" for i in range(2)]
+    assert sorted(os.listdir(hf_dataset)) == sorted(["cache-0123.arrow", "dataset_info.json", "state.json"] + names)
+    want = [str(hf_dataset / n) for n in names]
+    assert sources.dataset_files(str(hf_dataset)) == want
+    assert list_files(str(hf_dataset)) == (want, [])
+    assert list_files(str(hf_dataset.parent))[0] == want  # a walk takes the dataset, not the cache file
+    assert list_files(f"file://{hf_dataset}")[0] == [f"file://{f}" for f in want]
+
+
+def test_dataset_documents_and_record_batch_units(hf_dataset):
+    files, _ = list_files(str(hf_dataset))
+    assert events(str(hf_dataset)) == DOCS
+    units = plan_units(files, SourceConfig(unit_bytes=1))
+    assert units == [Unit(f, b, b + 1) for f in files for b in (0, 1)]  # 1,300 rows: batches 1,000 + 300
+    assert by_units(files, unit_bytes=1) == DOCS
+    assert plan_units(files, SourceConfig()) == [Unit(f, 0, 2) for f in files]
+    assert list(read_unit(Unit(files[1], 1, 2), SourceConfig())) == DOCS[2300:]
+
+
+def test_prepare_reads_a_dataset(hf_dataset, tmp_path):
+    from tokenmill.prepare import prepare
+    from tokenmill.store import TokenStore
+    m = prepare([str(hf_dataset)], out=tmp_path / "s", workers=1, unit_bytes=4000, progress=False)
+    assert m["num_documents"] == len(DOCS) and m["settings"]["num_files"] == 2
+    with TokenStore(tmp_path / "s") as store:
+        assert [store[i].tolist() for i in (0, 1299, 1300, 2599)] == [
+            list(DOCS[i].encode()) + [256] for i in (0, 1299, 1300, 2599)]
+
+
+def test_dataset_dict_lists_every_split(tmp_path):
+    import datasets  # a dev dependency: missing means the install is broken, not a skip
+    ds = datasets.Dataset.from_dict({"text": ["a", "b"]})
+    datasets.DatasetDict({"train": ds, "test": ds}).save_to_disk(str(tmp_path / "dd"))
+    files, _ = list_files(str(tmp_path / "dd"))
+    assert files == [str(tmp_path / "dd" / s / "data-00000-of-00001.arrow") for s in ("test", "train")]
+    assert events(str(tmp_path / "dd" / "train")) == ["a", "b"]
+
+
+def test_loose_arrow_files_only_when_named(tmp_path):
+    a = tmp_path / "loose" / "a.arrow"
+    a.parent.mkdir()
+    with pa.ipc.new_stream(str(a), pa.schema([("text", pa.string())])) as w:
+        w.write_batch(pa.record_batch([pa.array(["p", "q"])], names=["text"]))
+    write(tmp_path / "loose" / "b.jsonl", jsonl(["r"]))
+    assert list_files(str(tmp_path / "loose"))[0] == [str(tmp_path / "loose" / "b.jsonl")]
+    assert list_files(f"{tmp_path}/loose/*")[0] == [str(tmp_path / "loose" / "b.jsonl")]
+    assert list_files(f"{tmp_path}/loose/*.arrow")[0] == [str(a)]
+    assert events([str(a), str(tmp_path / "loose")]) == ["p", "q", "r"]
+
+
+def write_stream(path, batches, schema=None) -> str:
+    """An Arrow IPC stream of the given record batches (lists of texts), as datasets writes."""
+    schema = schema or pa.schema([("text", pa.string())])
+    with pa.ipc.new_stream(str(path), schema) as w:
+        for b in batches:
+            w.write_batch(pa.record_batch([pa.array(b, schema.field(0).type)], schema=schema))
+    return str(path)
+
+
+@pytest.mark.parametrize("batches,schema,reason,where,detail", [
+    ([["a"]], pa.schema([("body", pa.string())]), "missing_field", "file", "no column 'text'; columns are body"),
+    ([[1, 2]], pa.schema([("text", pa.int64())]), "non_string_field", "file", "column 'text' has type int64"),
+    ([[], []], None, "empty_file", "file", "0 rows"),
+    ([["a", "b"], ["c", None]], None, "non_string_field", "row 4 (record batch 1)", "'text' is null")])
+def test_bad_arrow_stream(tmp_path, batches, schema, reason, where, detail):
+    p = write_stream(tmp_path / "a.arrow", batches, schema)
+    with pytest.raises(InputError) as e:
+        events(p, unit_bytes=1)
+    assert (e.value.path, e.value.where, e.value.reason) == (p, where, reason) and detail in str(e.value)
+    got = events(p, unit_bytes=1, on_error="skip")
+    assert [x for x in got if isinstance(x, Skip)] == [Skip(p, where, reason, detail)]
+    if where != "file":
+        assert got == ["a", "b", "c", Skip(p, where, reason, detail)]
+
+
+def test_empty_texts_in_a_dataset_are_skipped_with_their_row(tmp_path):
+    p = write_stream(tmp_path / "a.arrow", [["a", ""], ["b"]])
+    assert shape(events(p)) == ["a", ("row 2 (record batch 0)", "empty_document"), "b"]
+
+
+def test_corrupt_or_missing_data_file_is_unreadable(tmp_path):
+    root = tmp_path / "ds"
+    write(root / "state.json", json.dumps({"_data_files": [{"filename": "data-00000-of-00002.arrow"},
+                                                           {"filename": "data-00001-of-00002.arrow"}]}))
+    good = write_stream(root / "data-00000-of-00002.arrow", [["a"]])
+    files, _ = list_files(str(root))
+    assert files == [good, str(root / "data-00001-of-00002.arrow")]
+    assert shape(events(str(root), on_error="skip")) == ["a", ("file", "unreadable")]
+    write(root / "data-00001-of-00002.arrow", b"not an arrow stream at all")
+    with pytest.raises(InputError, match=r"data-00001-of-00002\.arrow: cannot read file"):
+        events(str(root))
+
+
+def test_dataset_on_a_memory_url(memfs):
+    fs, root = memfs
+    fs.pipe(f"{root}/ds/state.json", json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}).encode())
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, pa.schema([("text", pa.string())])) as w:
+        w.write_batch(pa.record_batch([pa.array(TEXTS[:5])], names=["text"]))
+        w.write_batch(pa.record_batch([pa.array(TEXTS[5:])], names=["text"]))
+    fs.pipe(f"{root}/ds/data-00000-of-00001.arrow", sink.getvalue().to_pybytes())
+    fs.pipe(f"{root}/ds/cache-1.arrow", sink.getvalue().to_pybytes())
+    fs.pipe(f"{root}/b.jsonl", jsonl(["b"]))
+    files, _ = list_files(f"memory://{root}")
+    assert files == [f"memory://{root}/b.jsonl", f"memory://{root}/ds/data-00000-of-00001.arrow"]
+    assert events(f"memory://{root}") == ["b"] + TEXTS
+    assert plan_units(files[1:], SourceConfig(unit_bytes=1)) == [Unit(files[1], 0, -1)]
+
+
 # ---- units read one by one == the whole file ---------------------------------------------------
 
 LINE_CHARS = st.sampled_from(["a", "é", "✓", "🚀", " ", "\t", "\r", "\x0c", '"', "\\", "{"])
@@ -272,7 +400,7 @@ def line_oracle(data: bytes, mode: str) -> list:
        eols=st.lists(EOLS, min_size=14, max_size=14), trailing=st.booleans(), data=st.data(),
        mode=st.sampled_from(["lines", "paragraphs"]))
 def test_txt_units_concatenate_to_whole_file(tmp_path, monkeypatch, lines, eols, trailing, data, mode):
-    monkeypatch.setattr(sources, "_CHUNK", data.draw(st.sampled_from([2, 3, 5, 64, 1 << 20])))
+    monkeypatch.setattr(readers, "_CHUNK", data.draw(st.sampled_from([2, 3, 5, 64, 1 << 20])))
     raw = join_lines(lines, eols, trailing)
     p = write(tmp_path / "a.txt", raw)
     whole = list(read_unit(Unit(p, 0, -1), SourceConfig(txt_mode=mode, on_error="skip")))
@@ -296,7 +424,7 @@ RECORDS = st.one_of(
 @given(records=st.lists(RECORDS, max_size=12), eols=st.lists(EOLS, min_size=12, max_size=12),
        trailing=st.booleans(), data=st.data())
 def test_jsonl_units_concatenate_to_whole_file(tmp_path, monkeypatch, records, eols, trailing, data):
-    monkeypatch.setattr(sources, "_CHUNK", data.draw(st.sampled_from([2, 3, 5, 64, 1 << 20])))
+    monkeypatch.setattr(readers, "_CHUNK", data.draw(st.sampled_from([2, 3, 5, 64, 1 << 20])))
     raw = join_lines([r for _, r in records], eols, trailing)
     p = write(tmp_path / "a.jsonl", raw)
     want = []
@@ -427,7 +555,7 @@ def test_permission_denied_is_unreadable(tmp_path, monkeypatch):
 
     def deny(*args, **kwargs):
         raise denied
-    monkeypatch.setattr(sources, "open", deny, raising=False)  # root may read any file: simulate
+    monkeypatch.setattr(readers, "open", deny, raising=False)  # root may read any file: simulate
     assert events(p, on_error="skip") == [Skip(p, "file", "unreadable", f"PermissionError: {denied}")]
     with pytest.raises(InputError, match=f"{p}: cannot read file .PermissionError.*; "
                                          "check that it exists and is readable, or pass --on-error skip"):

@@ -1,4 +1,5 @@
-"""The command line: ``tokenmill prepare | inspect | verify | bench | plan | demo``."""
+"""The command line: ``tokenmill prepare | inspect | verify | import-megatron | export | bench |
+plan | demo``."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def _parser() -> argparse.ArgumentParser:
 
     pp = sub.add_parser("prepare", help="tokenize text files into a token store")
     pp.add_argument("inputs", nargs="+", metavar="INPUT",
-                    help="files, directories, globs or URLs (.txt .jsonl[.gz|.zst] .parquet)")
+                    help="files, directories, globs or URLs (.txt .jsonl[.gz|.zst] .parquet, "
+                    "Hugging Face datasets saved with save_to_disk)")
     pp.add_argument("--out", required=True, help="store directory to create (or resume)")
     pp.add_argument("--tokenizer", default="bytes",
                     help="'bytes' (default), a tokenizer.json, a .tiktoken file or a .model file")
@@ -47,6 +49,27 @@ def _parser() -> argparse.ArgumentParser:
 
     pv = sub.add_parser("verify", help="check a store's structure and every checksum")
     pv.add_argument("store")
+
+    pm = sub.add_parser("import-megatron", help="make a store of Megatron-LM .bin/.idx datasets "
+                        "(the .bin files are hard-linked, not copied)")
+    pm.add_argument("prefixes", nargs="+", metavar="PREFIX", help="dataset prefix of PREFIX.bin/.idx")
+    pm.add_argument("--out", required=True, help="store directory to create (new or empty)")
+    pm.add_argument("--tokenizer", required=True,
+                    help="the tokenizer the data was made with: 'bytes', a tokenizer.json, a "
+                    ".tiktoken file or a .model file")
+    pm.add_argument("--link", choices=["hard", "symlink", "copy"], default="hard",
+                    help="hard link (default; a symlink when that fails, e.g. across filesystems), "
+                    "symlink, or copy the .bin files")
+    pm.add_argument("--quiet", action="store_true", help="no progress output")
+
+    pe = sub.add_parser("export", help="write a store as a nanoGPT train.bin or as JSONL text")
+    pe.add_argument("store")
+    pe.add_argument("--format", required=True, choices=["nanogpt", "jsonl"],
+                    help="nanogpt: flat uint16 token ids; jsonl: one {\"text\": …} per document")
+    pe.add_argument("--out", required=True, help="file to write (replaced atomically)")
+    pe.add_argument("--tokenizer", default=None,
+                    help="jsonl: the store's tokenizer, if not at the path its manifest records")
+    pe.add_argument("--quiet", action="store_true", help="no progress output")
 
     pb = sub.add_parser("bench", help="compare tokenmill with other loaders on a store")
     from tokenmill.bench import add_arguments
@@ -113,6 +136,27 @@ def _verify(args) -> int:
     return 0
 
 
+def _import_megatron(args) -> int:
+    from tokenmill.interchange import import_megatron
+    from tokenmill.prepare import summary_line
+    manifest = import_megatron(args.prefixes, out=args.out, tokenizer=args.tokenizer,
+                               link=args.link, progress=False if args.quiet else None)
+    if not args.quiet:
+        links = ", ".join(sorted(set(manifest["settings"]["links"])))
+        print(f"{summary_line(manifest)}; .bin files: {links}", file=sys.stderr)
+    return 0
+
+
+def _export(args) -> int:
+    from tokenmill.interchange import export
+    done = export(args.store, out=args.out, format=args.format, tokenizer=args.tokenizer,
+                  progress=False if args.quiet else None)
+    if not args.quiet:
+        print(f"wrote {done['out']}: {done['documents']:,} documents, {done['tokens']:,} tokens, "
+              f"{done['bytes']:,} bytes", file=sys.stderr)
+    return 0
+
+
 def _bench(args) -> int:
     from tokenmill.bench import run_from_args
     return run_from_args(args)
@@ -141,5 +185,6 @@ def _demo(args) -> int:
     return 0
 
 
-_COMMANDS = {"prepare": _prepare, "inspect": _inspect, "verify": _verify, "bench": _bench,
+_COMMANDS = {"prepare": _prepare, "inspect": _inspect, "verify": _verify,
+             "import-megatron": _import_megatron, "export": _export, "bench": _bench,
              "plan": _plan, "demo": _demo}
