@@ -40,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--no-fast-tokenizer", action="store_true",
                     help="never swap a tokenizer.json for its equivalent tiktoken encoding")
     pp.add_argument("--overwrite", action="store_true", help="replace a different store at --out")
+    pp.add_argument("--engine", choices=["local", "ray"], default="local",
+                    help="local processes (default) or Ray tasks (pip install 'tokenmill[ray]'); "
+                    "the same store, byte for byte")
+    pp.add_argument("--ray-address", default=None, metavar="auto|HOST:PORT",
+                    help="--engine ray: the cluster to join (default: $RAY_ADDRESS, else a "
+                    "private Ray instance on this machine with --workers CPUs)")
     pp.add_argument("--quiet", action="store_true", help="no progress output")
 
     pi = sub.add_parser("inspect", help="describe a store")
@@ -110,7 +116,8 @@ def _prepare(args) -> int:
     if args.shard_tokens is not None:
         options["shard_tokens"] = args.shard_tokens
     prepare(args.inputs, out=args.out, tokenizer=args.tokenizer, workers=args.workers,
-            progress=False if args.quiet else None, overwrite=args.overwrite, **options)
+            progress=False if args.quiet else None, overwrite=args.overwrite,
+            engine=args.engine, ray_address=args.ray_address, **options)
     return 0
 
 

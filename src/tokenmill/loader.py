@@ -74,7 +74,7 @@ class SampleSource:
         else:
             key = f"{store.fingerprint}"
             self.packed = pack.load_or_build_packed(
-                Path(cache_dir) if cache_dir else store.path / "layouts", key=key,
+                Path(cache_dir) if cache_dir else Path(store.local_dir) / "layouts", key=key,
                 doc_lengths=store.doc_lengths, seq_len=L)
             self.num_samples = self.packed.num_rows
         self._shard_starts = store.shard_token_starts
@@ -312,6 +312,23 @@ class Loader:
         self._ring = _Ring(lambda: self.plan.new_buffers(self.batch_size),
                            size=self.prefetch + 2)
 
+    @classmethod
+    def from_text(cls, inputs, *, tokenizer: str = "bytes", seq_len: int, batch_size: int,
+                  cache_dir: str | os.PathLike, seed: int = 0, rank: int | None = None,
+                  world_size: int | None = None, num_workers: int | str = "auto",
+                  shuffle_buffer: int | None = None, **options: Any):
+        """Streaming mode: batches straight from raw text, no prepare step (a StreamLoader).
+
+        Worker processes tokenize ``inputs`` as batches are needed; the first pass is shuffled
+        through a buffer of ``shuffle_buffer`` windows and cached as a store under ``cache_dir``,
+        which later epochs read. ``options`` are ``prepare``'s (text_key, shard_tokens, …).
+        See docs/streaming.md.
+        """
+        from tokenmill.stream import StreamLoader
+        return StreamLoader(inputs, tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size,
+                            cache_dir=cache_dir, seed=seed, rank=rank, world_size=world_size,
+                            num_workers=num_workers, shuffle_buffer=shuffle_buffer, **options)
+
     # ---- the stream -------------------------------------------------------------------------
 
     @property
@@ -454,7 +471,9 @@ class Loader:
 
     def _plan_spec(self) -> dict:
         """What a worker process needs to rebuild the same BatchPlan."""
-        return {"stores": [str(s.store.path) for s in self.plan.sources], "weights": self.weights,
+        # open arguments (path or URL, cache, storage options), reopened inside the worker's
+        # error handling so a bad store becomes the consumer's error, not a dead worker
+        return {"stores": [s.store.open_args() for s in self.plan.sources], "weights": self.weights,
                 "seq_len": self.config.seq_len, "layout": self.config.layout,
                 "seed": self.config.seed, "dtype": self.plan.dtype.name,
                 "cache_dir": self.cache_dir, "batch_size": self.batch_size}

@@ -23,6 +23,7 @@ import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -32,10 +33,11 @@ import numpy as np
 import xxhash
 
 from tokenmill import remote, sources
-from tokenmill.errors import ConfigError, InputError, StoreError
+from tokenmill.errors import ConfigError, InputError, StoreError, TokenmillError
 from tokenmill.store import (MANIFEST, ShardInfo, ShardWriter, atomic_write_json, build_manifest,
                              json_bytes, parse_manifest, read_manifest, shard_name, xxh3_file)
 from tokenmill.tokenizer import encode_documents, load_tokenizer, token_dtype
+from tokenmill.workers import children_ignore_sigint
 
 PROGRESS = ".progress"
 MAX_EXAMPLES = 20
@@ -181,10 +183,18 @@ def _ordered_results(units: Sequence[sources.Unit], first: int, workers: int,
     try:
         while nxt < len(units) or pending:
             while nxt < len(units) and len(pending) < 2 * workers:
-                pending.append((nxt, pool.submit(tokenize_unit, units[nxt], config, storage_options)))
+                with children_ignore_sigint():  # submit may start a worker
+                    pending.append((nxt, pool.submit(tokenize_unit, units[nxt], config,
+                                                     storage_options)))
                 nxt += 1
             u, fut = pending.popleft()
-            yield u, fut.result()
+            try:
+                result = fut.result()
+            except BrokenProcessPool:
+                raise TokenmillError(f"a prepare worker process died (killed, or out of memory?) "
+                                     f"while tokenizing {units[u].path}; run the same command "
+                                     "again: it resumes where it stopped") from None
+            yield u, result
     finally:
         for _, fut in pending:
             fut.cancel()
@@ -301,8 +311,9 @@ def _check_out_dir(out: Path, key: dict, overwrite: bool) -> dict | None:
                               "--overwrite to replace it, or choose another --out")
         _clear_store_dir(out)
         return None
-    foreign = [p.name for p in out.iterdir()
-               if p.name != PROGRESS and not p.name.startswith(("shard-", ".shard-"))]
+    # a prepare killed while renaming its manifest into place leaves the temporary one behind
+    foreign = [p.name for p in out.iterdir() if p.name != PROGRESS and
+               not p.name.startswith(("shard-", ".shard-", f".{MANIFEST}.tmp-"))]
     if foreign and not overwrite:
         raise ConfigError(f"{out}: exists and holds other files ({', '.join(sorted(foreign)[:3])}); "
                           "choose an empty or new --out")
@@ -334,14 +345,24 @@ def _check_remote_out(target: remote.RemoteOut, key: dict, overwrite: bool) -> d
 
 def prepare(inputs: str | Sequence[str], *, out: str | os.PathLike, tokenizer: str = "bytes",
             workers: int | str = "auto", progress: bool | None = None, overwrite: bool = False,
-            storage_options: dict | None = None, **options: Any) -> dict:
+            storage_options: dict | None = None, engine: str = "local",
+            ray_address: str | None = None, **options: Any) -> dict:
     """Tokenize ``inputs`` into a store at ``out``; resumes an interrupted run; returns the manifest.
 
     ``out`` may be an fsspec URL (``s3://bucket/store``): the store is staged under
     ``$TOKENMILL_CACHE_DIR/staging/``, each shard uploaded as it is committed and the manifest
     last; rerunning the same command resumes. ``storage_options`` go to fsspec for inputs and out.
     ``options`` are ``PrepareConfig`` fields (shard_tokens, text_key, txt_mode, on_error, …).
+    ``engine="ray"`` runs on Ray (``ray_address``: None, "auto" or "HOST:PORT"), same bytes:
+    see ``tokenmill.integrations.ray`` and docs/scale-out.md.
     """
+    if engine == "ray":  # imported only here: the core never imports ray
+        from tokenmill.integrations.ray import prepare_on_ray
+        return prepare_on_ray(inputs, out=out, tokenizer=tokenizer, workers=workers,
+                              progress=progress, overwrite=overwrite,
+                              storage_options=storage_options, address=ray_address, **options)
+    if engine != "local":
+        raise ConfigError(f"engine must be 'local' or 'ray' (got {engine=!r})")
     config = PrepareConfig(tokenizer=tokenizer, **options)
     n_workers = resolve_workers(workers)
     inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)

@@ -18,9 +18,9 @@ documents of the whole file. Compressed files and ``.txt`` in file mode are one 
 
 Columnar files. A parquet file is cut by row groups, an Arrow IPC *stream* (the ``data-*.arrow``
 files of a Hugging Face dataset saved with ``save_to_disk``) by record batches: consecutive groups
-or batches until their text column reaches ``unit_bytes``. A local stream is memory-mapped
-(``pa.memory_map`` + ``pa.ipc.open_stream``), so passing over the batches before a range copies
-nothing; a remote one is a single unit. Rows are numbered from 1 within the file.
+(their whole size) or batches (their text column) until they reach ``unit_bytes``. A local stream
+is memory-mapped (``pa.memory_map`` + ``pa.ipc.open_stream``), so passing over the batches before
+a range copies nothing; a remote one is a single unit. Rows are numbered from 1 within the file.
 
 Every reader takes a ``report(where, reason, detail)`` function and yields what it returns in the
 place of a bad record (a ``sources.Skip``, or it raises); this module knows nothing of units.
@@ -65,8 +65,11 @@ def open_binary(path: str, storage_options):
     """A binary file object: plain ``open`` for local paths, fsspec for URLs."""
     if not is_url(path):
         return open(path, "rb", buffering=_CHUNK)
+    import io
     import fsspec
-    return fsspec.open(path, "rb", **(storage_options or {})).open()
+    # fsspec's files lack readline(size), which the byte-range readers use: buffer them
+    return io.BufferedReader(fsspec.open(path, "rb", **(storage_options or {})).open(),
+                             buffer_size=_CHUNK)
 
 
 # ---- planning --------------------------------------------------------------------------------
@@ -80,10 +83,14 @@ def plan_ranges(path: str, config: SourceConfig) -> list[tuple[int, int]]:
 
 
 def plan_parquet(path: str, config: SourceConfig) -> list[tuple[int, int]]:
-    """Ranges of consecutive row groups, grouped until their text column reaches unit_bytes."""
+    """Ranges of consecutive row groups, grouped until their uncompressed size reaches unit_bytes.
+
+    Row-group sizes only: pyarrow's per-column metadata accessor (``row_group(g).column(c)``)
+    aborts the whole process on some damaged footers (a C++ exception it does not catch).
+    """
     with _parquet(path, config.storage_options) as pf:
         md = pf.metadata
-        sizes = [_group_bytes(md.row_group(g), config.text_key) for g in range(md.num_row_groups)]
+        sizes = [md.row_group(g).total_byte_size for g in range(md.num_row_groups)]
     return _group(sizes, config.unit_bytes)
 
 
@@ -112,13 +119,6 @@ def _group(sizes: list[int], unit_bytes: int) -> list[tuple[int, int]]:
     if first < len(sizes) or not ranges:
         ranges.append((first, len(sizes)))
     return ranges
-
-
-def _group_bytes(group, key: str) -> int:
-    for c in range(group.num_columns):
-        if group.column(c).path_in_schema == key:
-            return group.column(c).total_uncompressed_size
-    return group.total_byte_size
 
 
 # ---- text: .txt, .jsonl[.gz|.zst] --------------------------------------------------------------
@@ -181,7 +181,7 @@ def read_text(path: str, start: int, stop: int, fmt: str, config: SourceConfig,
         if fmt != "jsonl" and fmt != "txt":  # compressed: one stream, one unit
             pos, blocks = 0, _blocks(f, 0, -1, carry=head)
         else:
-            pos = _seek_record(f, start)
+            pos = _seek_record(f, start, stop)
             foreign = fmt == "txt" and mode == "paragraphs" and start > 0 and not _prev_blank(f, pos)
             f.seek(pos)
             blocks = _blocks(f, pos, stop)
@@ -194,12 +194,18 @@ def read_text(path: str, start: int, stop: int, fmt: str, config: SourceConfig,
             yield from _paragraph_docs(blocks, f, report, base, foreign)
 
 
-def _seek_record(f, start: int) -> int:
-    """Offset of the first record starting at or after byte start (after "\\n" or at 0)."""
+def _seek_record(f, start: int, stop: int = -1) -> int:
+    """Offset of the first record starting at or after byte start (after "\\n" or at 0); stop
+    if none starts before stop. Reads at most up to stop: a unit inside one long line costs its
+    own bytes, not the rest of the line (units × line length, for a line of many units)."""
     if start == 0:
         return 0
     f.seek(start - 1)
-    return start - 1 + len(f.readline())
+    if stop < 0:
+        return start - 1 + len(f.readline())
+    line = f.readline(stop - start + 1)  # bytes [start - 1, stop) at most
+    found = line.endswith(b"\n") or len(line) < stop - start + 1  # a "\n", or the end of file
+    return start - 1 + len(line) if found else stop
 
 
 def _blocks(f, pos: int, stop: int, carry: bytes = b"") -> Iterator[bytes]:
@@ -295,6 +301,8 @@ def _json_problem(line: str | None, utf8_error: str | None, key: str) -> tuple[s
         return "malformed_json", f"{e.msg}: column {e.colno}"
     except RecursionError:
         return "malformed_json", "nested too deeply"
+    except ValueError as e:  # not a JSONDecodeError: an integer of more than 4,300 digits
+        return "malformed_json", str(e)
     if not isinstance(obj, dict):
         return "malformed_json", f"expected a JSON object, got {_kind(obj)}"
     return "missing_field", f"no {key!r} key; keys are {', '.join(map(repr, list(obj)[:5])) or 'none'}"
@@ -404,9 +412,16 @@ def read_parquet(path: str, start: int, stop: int, config: SourceConfig,
                 yield report("file", *problem)
             return
         stop = md.num_row_groups if stop < 0 else stop
-        row = sum(md.row_group(g).num_rows for g in range(start))
+        counts = [md.row_group(g).num_rows for g in range(stop)]
+        if min(counts, default=0) < 0:  # rows are numbered from these: they must be right
+            raise ValueError(f"damaged footer: row group {counts.index(min(counts))} has "
+                             f"{min(counts)} rows")
+        row = sum(counts[:start])
         for g in range(start, stop):
             texts = pf.read_row_group(g, columns=[key]).column(0).to_pylist()
+            if len(texts) != counts[g]:
+                raise ValueError(f"damaged file: row group {g} holds {len(texts)} rows, its "
+                                 f"footer says {counts[g]}")
             yield from _column_docs(texts, row, f"row group {g}", key, report)
             row += len(texts)
 
@@ -427,7 +442,10 @@ def read_arrow(path: str, start: int, stop: int, config: SourceConfig,
                     return
                 continue
             if b >= start:
-                texts = batch.column(key).to_pylist()
+                column = batch.column(key)
+                # an IPC stream has no checksum: damaged offsets would read out of bounds
+                column.validate(full=True)  # (a SystemError, or worse); now an ArrowInvalid
+                texts = column.to_pylist()
                 yield from _column_docs(texts, row, f"record batch {b}", key, report)
             row += batch.num_rows
         if start == 0 and not row:  # reached the end: the whole file holds no row

@@ -28,17 +28,23 @@ the whole file, hex.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import struct
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import xxhash
 
+from tokenmill import remote
 from tokenmill.errors import StoreError
 
 FORMAT = "tokenmill-store"
@@ -51,6 +57,7 @@ DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
                6: np.float64, 7: np.float32, 8: np.uint16}
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 _CHUNK = 8 << 20
+READAHEAD = 2  # remote shards fetched in the background past the one just mapped
 
 
 def shard_name(index: int) -> str:
@@ -70,20 +77,47 @@ def xxh3_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # disk full, quota, file-size limit
+
+
+@contextlib.contextmanager
+def no_space_is_a_store_error(path: str | os.PathLike) -> Iterator[None]:
+    """Turn a full disk (or quota, or file-size limit) while writing ``path`` into a StoreError
+    that says so and what to do; other errors pass through."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _NO_SPACE:
+            raise
+        raise StoreError(f"{path}: cannot write ({os.strerror(e.errno)}): the disk is full; free "
+                         "some space and run the same command again ('tokenmill prepare' resumes "
+                         "where it stopped)") from e
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file, fsync and rename."""
+    """Write ``data`` to ``path`` through a temporary file, fsync and rename; on failure the
+    temporary file is removed."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with no_space_is_a_store_error(path), open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def json_bytes(obj: Any) -> bytes:
+    """``obj`` as indented, key-sorted JSON with a final newline (how manifests are written)."""
+    return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     """Write ``obj`` as indented, key-sorted JSON, atomically."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(path, json_bytes(obj))
 
 
 def idx_bytes(lengths: np.ndarray, dtype: np.dtype) -> bytes:
@@ -198,11 +232,12 @@ class ShardWriter:
         return closed
 
     def _write(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        if self._file is None:
-            self._file = open(self._tmp(".bin"), "wb")
-            self._hash = xxhash.xxh3_64()
-        data = tokens.astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
-        self._file.write(data)
+        with no_space_is_a_store_error(self._tmp(".bin")):
+            if self._file is None:
+                self._file = open(self._tmp(".bin"), "wb")
+                self._hash = xxhash.xxh3_64()
+            data = tokens.astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
+            self._file.write(data)
         self._hash.update(data)
         self._lengths.append(lengths)
         self._tokens += len(tokens)
@@ -219,14 +254,15 @@ class ShardWriter:
         """Finish the open shard (fsync, write its index, rename both into place)."""
         if self._file is None:
             self._write(np.zeros(0, self.dtype), np.zeros(0, np.int64))
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        with no_space_is_a_store_error(self._tmp(".bin")):
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
         idx = idx_bytes(lengths, self.dtype)
         name = shard_name(self.next_index)
         bin_tmp, idx_tmp = self._tmp(".bin"), self._tmp(".idx")
-        with open(idx_tmp, "wb") as f:
+        with no_space_is_a_store_error(idx_tmp), open(idx_tmp, "wb") as f:
             f.write(idx)
             f.flush()
             os.fsync(f.fileno())
@@ -246,7 +282,10 @@ class ShardWriter:
     def abort(self) -> None:
         """Drop the open shard's temporary file."""
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:  # the disk is full: the buffered rest cannot be written, nor matters
+                pass
             self._file = None
         for suffix in (".bin", ".idx"):
             self._tmp(suffix).unlink(missing_ok=True)
@@ -271,36 +310,71 @@ def build_manifest(*, tokenizer: dict, dtype: np.dtype, shards: list[ShardInfo],
         "settings": settings, "skipped": skipped,
     }
     manifest["fingerprint"] = store_fingerprint(manifest)
+    manifest[MANIFEST_CHECKSUM] = manifest_checksum(manifest)
     return manifest
+
+
+MANIFEST_CHECKSUM = "manifest_xxh3"
+
+
+def manifest_checksum(manifest: dict) -> str:
+    """xxh3-64 of the manifest as written, without its own checksum field: any change to any
+    field (a flipped byte in a path, a count, a key name) shows."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}
+    return xxhash.xxh3_64_hexdigest(json_bytes(body))
 
 
 _REQUIRED = ("format", "version", "tokenizer", "dtype", "num_documents", "num_tokens", "shards")
 
 
-def read_manifest(path: str | os.PathLike) -> dict:
-    """Load and check a store's manifest: present, parseable, right format and version."""
+def read_manifest(path: str | os.PathLike, *, storage_options: dict | None = None) -> dict:
+    """Load and check a store's manifest: present, parseable, right format and version.
+
+    ``path`` may be an fsspec URL (``s3://bucket/store``); ``storage_options`` go to fsspec.
+    """
+    if remote.is_url(path):
+        return _read_remote_manifest(os.fspath(path).rstrip("/"), storage_options)
     path = Path(path)
     mpath = path / MANIFEST
     if not path.is_dir():
         raise StoreError(f"{path}: no such store directory")
     if not mpath.exists():
         partial = any(path.glob("shard-*")) or (path / ".progress").exists()
-        hint = ("prepare did not finish; run the same 'tokenmill prepare' command again to finish it"
-                if partial else "is this a tokenmill store? Create one with 'tokenmill prepare'")
-        raise StoreError(f"{mpath}: missing — {hint}")
+        raise StoreError(f"{mpath}: missing — {_missing_manifest_hint(partial)}")
+    return parse_manifest(mpath.read_bytes(), str(mpath))
+
+
+def _read_remote_manifest(url: str, storage_options) -> dict:
+    data = remote.read_bytes(f"{url}/{MANIFEST}", storage_options)
+    if data is None:
+        partial = any(n.startswith("shard-") for n in remote.list_sizes(url, storage_options))
+        raise StoreError(f"{url}/{MANIFEST}: missing — {_missing_manifest_hint(partial)}")
+    return parse_manifest(data, f"{url}/{MANIFEST}")
+
+
+def _missing_manifest_hint(partial: bool) -> str:
+    return ("prepare did not finish; run the same 'tokenmill prepare' command again to finish it"
+            if partial else "is this a tokenmill store? Create one with 'tokenmill prepare'")
+
+
+def parse_manifest(data: bytes | str, where: str) -> dict:
+    """Parse and check manifest JSON read from ``where`` (a path or URL, for messages)."""
     try:
-        manifest = json.loads(mpath.read_text())
+        manifest = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise StoreError(f"{mpath}: not valid JSON ({e}); the manifest is corrupt — "
+        raise StoreError(f"{where}: not valid JSON ({e}); the manifest is corrupt — "
                          "run 'tokenmill prepare' again") from None
     if not isinstance(manifest, dict) or any(k not in manifest for k in _REQUIRED):
         missing = [k for k in _REQUIRED if not isinstance(manifest, dict) or k not in manifest]
-        raise StoreError(f"{mpath}: missing fields {missing}; the manifest is corrupt")
+        raise StoreError(f"{where}: missing fields {missing}; the manifest is corrupt")
     if manifest["format"] != FORMAT:
-        raise StoreError(f"{mpath}: format {manifest['format']!r}, expected {FORMAT!r}")
+        raise StoreError(f"{where}: format {manifest['format']!r}, expected {FORMAT!r}")
     if manifest["version"] != VERSION:
-        raise StoreError(f"{mpath}: store version {manifest['version']}, this tokenmill reads "
+        raise StoreError(f"{where}: store version {manifest['version']}, this tokenmill reads "
                          f"version {VERSION}; re-run 'tokenmill prepare' with this version")
+    if MANIFEST_CHECKSUM in manifest and manifest[MANIFEST_CHECKSUM] != manifest_checksum(manifest):
+        raise StoreError(f"{where}: checksum mismatch: the manifest was changed or is damaged; "
+                         "run 'tokenmill verify', then 'tokenmill prepare' again")
     return manifest
 
 
@@ -328,39 +402,137 @@ def check_sizes(path: str | os.PathLike, manifest: dict) -> None:
 class TokenStore:
     """A read-only, memory-mapped view of a store: documents, token ranges, lengths.
 
-    Opening reads the manifest and each shard's index header (O(number of shards)); token data
-    is never read until asked for.
+    Opening reads the manifest and each shard's index (O(number of shards)); token data is never
+    read until asked for. ``path`` may be an fsspec URL (``TokenStore("s3://b/store")``): shards
+    are then downloaded on first use into a local cache (``cache_dir``, default
+    ``$TOKENMILL_CACHE_DIR`` or ``~/.cache/tokenmill``; at most ``cache_bytes``, default
+    ``$TOKENMILL_CACHE_BYTES`` or 16 GiB), verified, and memory-mapped from there; see
+    ``tokenmill.remote``.
     """
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self.manifest = read_manifest(self.path)
-        check_sizes(self.path, self.manifest)
+    def __init__(self, path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
+                 cache_bytes: int | str | None = None, storage_options: dict | None = None):
+        self._remote = None
+        if remote.is_url(path):
+            self.path = self.url = os.fspath(path).rstrip("/")
+            self.manifest = read_manifest(self.url, storage_options=storage_options)
+            self._remote = remote.RemoteShards(self.url, self.manifest, cache_dir=cache_dir,
+                                               cache_bytes=cache_bytes,
+                                               storage_options=storage_options)
+            self._open_args = {"path": self.url, "cache_dir": str(self._remote.cache.root),
+                               "cache_bytes": self._remote.cache.max_bytes,
+                               "storage_options": storage_options}
+            self._remote.fetch_many([f"{s['name']}.idx" for s in self.manifest["shards"]])
+        else:
+            self.path, self.url = Path(path), None
+            self.manifest = read_manifest(self.path)
+            check_sizes(self.path, self.manifest)
+            self._open_args = {"path": str(self.path)}
         self.dtype = np.dtype(self.manifest["dtype"])
         shards = self.manifest["shards"]
-        self._bins: list[np.ndarray] = []
+        self._bins: list[np.ndarray | None] = []
         self._idx: list[IdxArrays] = []
+        self._map_locks = [threading.Lock() for _ in shards]
+        self._mapped: OrderedDict[int, int] = OrderedDict()  # remote shards mapped, oldest first
+        self._mapped_lock = threading.Lock()
         for s in shards:
-            idx = read_idx(self.path / f"{s['name']}.idx")
+            idx = self._read_idx(s["name"])
             if idx.dtype != self.dtype or len(idx.lengths) != s["num_documents"]:
-                raise StoreError(f"{self.path / (s['name'] + '.idx')}: holds {len(idx.lengths):,} "
+                raise StoreError(f"{self.path}/{s['name']}.idx: holds {len(idx.lengths):,} "
                                  f"{idx.dtype} documents, the manifest says "
                                  f"{s['num_documents']:,} {self.dtype}; run 'tokenmill verify'")
             self._idx.append(idx)
-            # a plain ndarray view of the memmap: np.memmap's Python-level __getitem__ costs
-            # ~2 µs per slice, more than copying a 2048-token window
-            self._bins.append(np.memmap(self.path / f"{s['name']}.bin", dtype=self.dtype,
-                                        mode="r").view(np.ndarray)
-                              if s["num_tokens"] else np.zeros(0, self.dtype))
+            if not s["num_tokens"]:
+                self._bins.append(np.zeros(0, self.dtype))
+            elif self._remote is not None:
+                self._bins.append(None)  # mapped on first use, through the cache
+            else:
+                # a plain ndarray view of the memmap: np.memmap's Python-level __getitem__ costs
+                # ~2 µs per slice, more than copying a 2048-token window
+                self._bins.append(np.memmap(self.path / f"{s['name']}.bin", dtype=self.dtype,
+                                            mode="r").view(np.ndarray))
         self.shard_doc_starts = np.cumsum([0] + [s["num_documents"] for s in shards], dtype=np.int64)
         self.shard_token_starts = np.cumsum([0] + [s["num_tokens"] for s in shards], dtype=np.int64)
+
+    def _read_idx(self, name: str) -> IdxArrays:
+        if self._remote is None:
+            return read_idx(self.path / f"{name}.idx")
+        with self._remote.pin(f"{name}.idx") as pin:  # copied to memory: no pin held after
+            idx = read_idx(pin.path)
+            return IdxArrays(idx.dtype, np.array(idx.lengths), np.array(idx.pointers),
+                             np.array(idx.doc_idx))
+
+    def _bin(self, i: int) -> np.ndarray:
+        b = self._bins[i]
+        return b if b is not None else self._map(i)
+
+    def _map(self, i: int) -> np.ndarray:
+        """Map remote shard ``i`` from the cache (downloading it if needed), then fetch the next
+        shards in the background. The store keeps at most half the cache mapped (oldest maps
+        dropped first) so that processes sharing a cache leave each other room; a view handed
+        out keeps its shard pinned regardless. If the cache is full of pinned shards, drop all of
+        this store's own maps and try once more."""
+        with self._map_locks[i]:
+            if (b := self._bins[i]) is not None:
+                return b
+            name = f"{self.manifest['shards'][i]['name']}.bin"
+            try:
+                b = self._remote.map(name, self.dtype)
+            except remote.CacheFullError:
+                self._drop_maps(keep=0, newest=False)
+                b = self._remote.map(name, self.dtype)
+            with self._mapped_lock:
+                self._bins[i] = b
+                self._mapped[i] = b.nbytes
+            self._drop_maps(keep=self._remote.cache.max_bytes // 2)
+        ahead = [f"{s['name']}.bin" for j, s in enumerate(self.manifest["shards"])
+                 if i < j <= i + READAHEAD and self._bins[j] is None]
+        if ahead:
+            self._remote.prefetch(ahead)  # errors are the reader's to meet, when it gets there
+        return b
+
+    def _drop_maps(self, keep: int, newest: bool = True) -> None:
+        """Forget the oldest of this store's maps until they total at most ``keep`` bytes
+        (keeping the newest if ``newest``); the cache may evict a shard once no view remains."""
+        with self._mapped_lock:
+            while len(self._mapped) > newest and sum(self._mapped.values()) > keep:
+                j, _ = self._mapped.popitem(last=False)
+                self._bins[j] = None
+
+    def prefetch(self, shards: Iterable[int] | None = None) -> Future:
+        """Download shards (default: all) into the cache in a background thread, in order.
+
+        ``store.prefetch().result()`` waits until they are all cached; a local store returns a
+        finished Future. Only what fits in the cache next to pinned shards stays there.
+        """
+        if self._remote is None:
+            fut: Future = Future()
+            fut.set_result([])
+            return fut
+        idx = range(self.num_shards) if shards is None else shards
+        names = [f"{self.manifest['shards'][i]['name']}.bin" for i in idx]
+        return self._remote.prefetch(names)
+
+    @property
+    def local_dir(self) -> Path:
+        """A local directory for files derived from the store (e.g. layouts): the store itself,
+        or for a remote store its own folder in the cache."""
+        return self.path if self._remote is None else self._remote.local_dir
+
+    def open_args(self) -> dict:
+        """Keyword arguments that open this same store in another process: TokenStore(**args)."""
+        return dict(self._open_args)
+
+    def __reduce__(self):
+        # pickles as how to reopen it (a few bytes), never as the mapped tokens
+        return _reopen, (self.open_args(),)
 
     def __len__(self) -> int:
         return int(self.manifest["num_documents"])
 
     def __repr__(self) -> str:
         return (f"TokenStore({str(self.path)!r}, documents={len(self):,}, "
-                f"tokens={self.num_tokens:,}, shards={len(self._bins)})")
+                f"tokens={self.num_tokens:,}, shards={self.num_shards})")
 
     def __enter__(self) -> TokenStore:
         return self
@@ -369,8 +541,12 @@ class TokenStore:
         self.close()
 
     def close(self) -> None:
-        """Drop the memory maps (views handed out stay valid until they are released)."""
+        """Drop the memory maps (views handed out stay valid until they are released; a remote
+        shard stays pinned in the cache until then)."""
         self._bins, self._idx = [], []
+        self._mapped.clear()
+        if self._remote is not None:
+            self._remote.close()
 
     @property
     def num_tokens(self) -> int:
@@ -393,15 +569,23 @@ class TokenStore:
         return len(self.manifest["shards"])
 
     def shard(self, i: int) -> np.ndarray:
-        """The whole token memmap of shard ``i``."""
-        return self._bins[i]
+        """The whole token memmap of shard ``i`` (a remote shard is fetched on first use)."""
+        return self._bin(i)
 
     @cached_property
     def doc_lengths(self) -> np.ndarray:
-        """int64 token count of every document, in store order."""
+        """int64 token count of every document, in store order (checked against the manifest:
+        each shard's lengths are >= 0 and sum to its token count)."""
         if not self._idx:
             return np.zeros(0, np.int64)
-        return np.concatenate([np.asarray(i.lengths, dtype=np.int64) for i in self._idx])
+        parts = [np.asarray(i.lengths, dtype=np.int64) for i in self._idx]
+        for part, s in zip(parts, self.manifest["shards"]):
+            if (len(part) and part.min() < 0) or int(part.sum()) != s["num_tokens"]:
+                raise StoreError(f"{self.path}/{s['name']}.idx: document lengths sum to "
+                                 f"{int(part.sum()):,} tokens, the manifest says "
+                                 f"{s['num_tokens']:,}; the index is damaged — run 'tokenmill "
+                                 "verify'")
+        return np.concatenate(parts)
 
     @cached_property
     def doc_starts(self) -> np.ndarray:
@@ -420,7 +604,7 @@ class TokenStore:
         local = i - int(self.shard_doc_starts[s])
         idx = self._idx[s]
         start = int(idx.pointers[local]) // self.dtype.itemsize
-        return self._bins[s][start:start + int(idx.lengths[local])]
+        return self._bin(s)[start:start + int(idx.lengths[local])]
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Global tokens [start, stop): a view inside one shard, a new array across shards."""
@@ -444,19 +628,34 @@ class TokenStore:
             base = int(self.shard_token_starts[s])
             end = min(stop, int(self.shard_token_starts[s + 1]))
             if end > start:
-                yield self._bins[s][start - base:end - base]
+                yield self._bin(s)[start - base:end - base]
             start = end
             s += 1
 
 
-def verify_store(path: str | os.PathLike) -> list[str]:
-    """Check structure and every checksum; returns the problems found (empty when intact)."""
+def _reopen(args: dict) -> TokenStore:
+    return TokenStore(**args)
+
+
+def verify_store(path: str | os.PathLike, *, storage_options: dict | None = None) -> list[str]:
+    """Check structure and every checksum; returns the problems found (empty when intact).
+
+    For a URL every file is downloaded (to a temporary directory, never from the cache, so the
+    remote objects themselves are checked) and deleted after its check.
+    """
+    if remote.is_url(path):
+        return _verify_remote(os.fspath(path).rstrip("/"), storage_options)
     path = Path(path)
     try:
         manifest = read_manifest(path)
     except StoreError as e:
         return [str(e)]
     problems = []
+    if MANIFEST_CHECKSUM not in manifest:
+        problems.append(f"{path / MANIFEST}: no {MANIFEST_CHECKSUM} field (damaged, or edited)")
+    elif (path / MANIFEST).read_bytes() != json_bytes(manifest):
+        problems.append(f"{path / MANIFEST}: same fields, other bytes than tokenmill writes "
+                        "(damaged, or edited)")
     for s in manifest["shards"]:
         for ext, size_key, sum_key in ((".bin", "bin_bytes", "bin_xxh3"),
                                        (".idx", "idx_bytes", "idx_xxh3")):
@@ -475,13 +674,50 @@ def verify_store(path: str | os.PathLike) -> list[str]:
         if not any(p.startswith(str(f)) for p in problems):
             problems.extend(_check_idx_structure(f, s, np.dtype(manifest["dtype"])))
     if not problems:
-        total = sum(s["num_tokens"] for s in manifest["shards"])
-        docs = sum(s["num_documents"] for s in manifest["shards"])
-        if total != manifest["num_tokens"] or docs != manifest["num_documents"]:
-            problems.append(f"{path / MANIFEST}: totals ({manifest['num_documents']:,} documents, "
-                            f"{manifest['num_tokens']:,} tokens) disagree with its shards "
-                            f"({docs:,}, {total:,})")
+        problems += _check_totals(manifest, path / MANIFEST)
     return problems
+
+
+def _verify_remote(url: str, storage_options: dict | None) -> list[str]:
+    import tempfile
+    try:
+        manifest = read_manifest(url, storage_options=storage_options)
+    except StoreError as e:
+        return [str(e)]
+    sizes = remote.list_sizes(url, storage_options)
+    problems = []
+    with tempfile.TemporaryDirectory(prefix="tokenmill-verify-") as tmp:
+        cache = remote.ShardCache(tmp, 1 << 62, storage_options=storage_options)
+        for s in manifest["shards"]:
+            for ext, size_key, sum_key in ((".bin", "bin_bytes", "bin_xxh3"),
+                                           (".idx", "idx_bytes", "idx_xxh3")):
+                f = f"{url}/{s['name']}{ext}"
+                got = sizes.get(f"{s['name']}{ext}")
+                if got is None or got != s[size_key]:
+                    problems.append(f"{f}: missing" if got is None else
+                                    f"{f}: expected {s[size_key]:,} bytes, found {got:,}")
+                    continue
+                try:
+                    local = cache.fetch(f, s[size_key], s[sum_key])
+                except StoreError as e:
+                    problems.append(str(e))
+                    continue
+                if ext == ".idx":
+                    problems += [p.replace(str(local), f) for p in
+                                 _check_idx_structure(local, s, np.dtype(manifest["dtype"]))]
+                local.unlink()
+    if not problems:
+        problems += _check_totals(manifest, f"{url}/{MANIFEST}")
+    return problems
+
+
+def _check_totals(manifest: dict, where) -> list[str]:
+    total = sum(s["num_tokens"] for s in manifest["shards"])
+    docs = sum(s["num_documents"] for s in manifest["shards"])
+    if total != manifest["num_tokens"] or docs != manifest["num_documents"]:
+        return [f"{where}: totals ({manifest['num_documents']:,} documents, "
+                f"{manifest['num_tokens']:,} tokens) disagree with its shards ({docs:,}, {total:,})"]
+    return []
 
 
 def _check_idx_structure(f: Path, shard: dict, dtype: np.dtype) -> list[str]:

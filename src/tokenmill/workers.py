@@ -9,8 +9,10 @@ that dies becomes an error, never a hang.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import signal
 import threading
 import time
 import traceback
@@ -28,10 +30,31 @@ class RemoteTraceback(Exception):
         return self.args[0]
 
 
+@contextlib.contextmanager
+def children_ignore_sigint():
+    """Start worker processes inside this block: they ignore SIGINT from their first instruction.
+
+    A spawned child inherits an ignored SIGINT (and Python then leaves it ignored), so a Ctrl-C
+    cannot kill a worker half-way through its imports with a traceback; the parent alone decides
+    how to stop. Only the main thread may change handlers; elsewhere this does nothing. A Ctrl-C
+    in the few milliseconds a start takes is lost (press it again).
+    """
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is None:  # None: a handler we could not put back
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def _plan_from_spec(spec: dict):
     from tokenmill.loader import BatchPlan, LayoutConfig, _open_sources
     config = LayoutConfig(seq_len=spec["seq_len"], layout=spec["layout"], seed=spec["seed"])
-    stores = spec["stores"]
+    from tokenmill.store import TokenStore
+    stores = [TokenStore(**args) for args in spec["stores"]]
     source = stores[0] if len(stores) == 1 else dict(zip(stores, spec["weights"]))
     sources, weights = _open_sources(source, config, spec["cache_dir"])
     return BatchPlan(sources, weights, np.dtype(spec["dtype"]))
@@ -85,8 +108,9 @@ class ProcessPool:
         self._procs = [ctx.Process(target=_worker_main, daemon=True, name=f"tokenmill-worker-{i}",
                                    args=(spec, self._tasks, self._results, os.getpid()))
                        for i in range(num_workers)]
-        for p in self._procs:
-            p.start()
+        with children_ignore_sigint():
+            for p in self._procs:
+                p.start()
         self._ids = itertools.count()
         self._pending: dict[int, tuple[Future, dict]] = {}
         self._lock = threading.Lock()

@@ -55,7 +55,8 @@ class TokenSource:
                  dtype: str = "int32", cache_dir: str | os.PathLike | None = None):
         if np.dtype(dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
             raise ConfigError(f"dtype must be 'int32' or 'int64' (got dtype={dtype!r})")
-        self.path = Path(store.path if isinstance(store, TokenStore) else store)
+        # a str, not a Path: Path() would turn "s3://b/store" into "s3:/b/store"
+        self.path = str(store.path if isinstance(store, TokenStore) else os.fspath(store))
         self.config = LayoutConfig(seq_len=seq_len, layout=layout)
         self.dtype = np.dtype(dtype).name
         self.cache_dir = None if cache_dir is None else str(cache_dir)

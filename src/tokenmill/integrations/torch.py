@@ -222,9 +222,10 @@ class TorchBatches:
 
 def _loader_spec(loader: Loader) -> dict[str, Any]:
     """What rebuilds ``loader`` in another process (rank and world size as resolved here)."""
-    stores = [str(s.store.path) for s in loader.plan.sources]
-    if len(set(stores)) != len(stores):
-        raise ConfigError(f"a TokenDataset mixture needs distinct store paths (got {stores})")
+    stores = [s.store for s in loader.plan.sources]  # a TokenStore pickles as its open arguments
+    names = [str(s.path) for s in stores]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"a TokenDataset mixture needs distinct store paths (got {names})")
     return {"source": dict(zip(stores, loader.weights)), "seq_len": loader.config.seq_len,
             "batch_size": loader.batch_size, "layout": loader.config.layout,
             "seed": loader.config.seed, "rank": loader.rank, "world_size": loader.world_size,

@@ -1,0 +1,200 @@
+"""The Ray engine: the same store as the local engine, byte for byte; resumes after SIGKILL;
+errors arrive as themselves; nothing left behind in ~ or /tmp/ray. One local Ray instance
+(2 CPUs, 127.0.0.1, no dashboard) serves the module; deselect with ``-m "not ray"``."""
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import store_bytes, write_jsonl
+from tokenmill.errors import ConfigError, InputError
+from tokenmill.integrations.ray import Job, cut, stage_unit
+from tokenmill.prepare import PrepareConfig, prepare
+from tokenmill.sources import Unit
+from tokenmill.store import ShardWriter
+
+pytestmark = pytest.mark.ray
+
+SMALL = dict(shard_tokens=40_000, unit_bytes=64_000)  # ~10 shards, ~25 units of 1.5 MB
+LEFTOVERS = [Path.home() / ".ray", Path("/tmp/ray")]  # Ray's defaults, kept out of by the env below
+LEFTOVERS_BEFORE: dict[Path, bool] = {}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray instance; its files in a short temp dir (socket paths must stay < 108 chars)."""
+    LEFTOVERS_BEFORE.update({p: p.exists() for p in LEFTOVERS})
+    env = {"RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # bind 127.0.0.1 (read when ray is imported)
+           "RAY_AUTH_TOKEN": secrets.token_hex(32)}  # token auth on, the token not in ~/.ray
+    saved = {k: os.environ.get(k) for k in (*env, "RAY_TMPDIR", "RAY_AUTH_MODE")}
+    tmp = tempfile.mkdtemp(prefix="tm-ray-")
+    os.environ.update(env, RAY_TMPDIR=tmp)
+    import ray
+    try:
+        ctx = ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp,
+                       _node_ip_address="127.0.0.1", configure_logging=False, log_to_driver=False)
+        yield ctx.address_info["gcs_address"]
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        assert {p: p.exists() for p in LEFTOVERS} == LEFTOVERS_BEFORE, "Ray left files behind"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, real_texts):
+    """Two files of real text with bad records (skipped, counted, 3 kinds) among the documents."""
+    d = tmp_path_factory.mktemp("corpus")
+    write_jsonl(d / "a.jsonl", real_texts[:30])
+    lines = (d / "a.jsonl").read_text().splitlines(keepends=True)
+    lines[3:3] = ["not json\n", '{"nope": 1}\n', '{"text": ""}\n']
+    lines[20:20] = ["{broken\n"]
+    (d / "a.jsonl").write_text("".join(lines))
+    write_jsonl(d / "b.jsonl", real_texts[30:])
+    return d
+
+
+def test_byte_identical_to_the_local_engine(ray_cluster, tmp_path, corpus, bpe_tokenizer):
+    args = dict(tokenizer=bpe_tokenizer, on_error="skip", progress=False, **SMALL)
+    want = prepare([str(corpus)], out=tmp_path / "local", workers=2, **args)
+    got = prepare([str(corpus)], out=tmp_path / "ray", engine="ray", **args)
+    assert got == want
+    assert want["skipped"]["by_reason"] == {"empty_document": 1, "malformed_json": 2,
+                                            "missing_field": 1}
+    assert len(want["shards"]) >= 8
+    local = store_bytes(tmp_path / "local")
+    assert store_bytes(tmp_path / "ray") == local
+    # to a URL: tasks write shards straight to it, staging too
+    prepare([str(corpus)], out=f"file://{tmp_path}/url", engine="ray", **args)
+    assert store_bytes(tmp_path / "url") == local
+    assert not any((tmp_path / d / ".progress").exists() for d in ("ray", "url"))
+    # a finished store is a no-op for either engine
+    assert prepare([str(corpus)], out=tmp_path / "ray", engine="ray", **args) == want
+    assert store_bytes(tmp_path / "ray") == local
+    # the command line, starting a private Ray instance (its files under $RAY_TMPDIR, set by
+    # the fixture) and with default units: unit size never changes the bytes
+    subprocess.run([sys.executable, "-m", "tokenmill", "prepare", str(corpus), "--out",
+                    str(tmp_path / "cli"), "--tokenizer", bpe_tokenizer, "--on-error", "skip",
+                    "--shard-tokens", str(SMALL["shard_tokens"]), "--engine", "ray",
+                    "--workers", "2", "--quiet"], check=True)
+    assert store_bytes(tmp_path / "cli") == local
+
+
+_SCRIPT = """import sys
+from tokenmill.prepare import prepare
+prepare([sys.argv[1]], out=sys.argv[2], tokenizer=sys.argv[3], engine="ray",
+        ray_address=sys.argv[4], shard_tokens=30_000, unit_bytes=100_000, progress=False)
+"""
+
+
+def _start_and_kill(cmd, out: Path, committed: int) -> None:
+    """Run ``cmd`` and SIGKILL it once ``committed`` shards are committed."""
+    proc = subprocess.Popen(cmd)
+    deadline = time.monotonic() + 60
+    while len(list((out / ".progress").glob("shard-*.json"))) < committed:
+        assert proc.poll() is None, "prepare finished before it could be interrupted"
+        assert time.monotonic() < deadline, f"not {committed} shards committed within 60 s"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists()
+
+
+def test_resume_after_sigkill_is_byte_identical(ray_cluster, tmp_path, real_texts, bpe_tokenizer):
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", real_texts * 3)
+    ref = tmp_path / "ref"  # the local engine, default units: unit size never changes the bytes
+    prepare([str(corpus)], out=ref, tokenizer=bpe_tokenizer, workers=2, shard_tokens=30_000,
+            progress=False)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-c", _SCRIPT, str(corpus), str(out), bpe_tokenizer, ray_cluster]
+    _start_and_kill(cmd, out, committed=3)
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-0000[012].*")}
+    assert len(kept) == 6
+    _start_and_kill(cmd, out, committed=8)  # the Ray engine resumes the Ray engine …
+    assert {n: (out / n).stat().st_mtime_ns for n in kept} == kept  # committed: kept as they were
+    subprocess.run(cmd, check=True)
+    assert store_bytes(out) == store_bytes(ref)
+    assert not (out / ".progress").exists()
+
+
+def test_either_engine_finishes_the_others_run(ray_cluster, tmp_path, real_texts, bpe_tokenizer):
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", real_texts * 2)
+    args = dict(tokenizer=bpe_tokenizer, shard_tokens=30_000, unit_bytes=100_000, progress=False)
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    prepare([str(corpus)], out=ref, workers=1, **args)
+    _start_and_kill([sys.executable, "-c", _SCRIPT, str(corpus), str(out), bpe_tokenizer,
+                     ray_cluster], out, committed=4)
+    prepare([str(corpus)], out=out, workers=1, **args)  # Ray's progress records, finished locally
+    assert store_bytes(out) == store_bytes(ref)
+
+
+def test_input_errors_arrive_as_themselves(ray_cluster, tmp_path):
+    write_jsonl(tmp_path / "c.jsonl", ["fine"] * 5)
+    with open(tmp_path / "c.jsonl", "a") as f:
+        f.write("not json\n")
+    with pytest.raises(InputError) as local:
+        prepare([str(tmp_path / "c.jsonl")], out=tmp_path / "l", workers=1, progress=False)
+    with pytest.raises(InputError) as remote:
+        prepare([str(tmp_path / "c.jsonl")], out=tmp_path / "r", engine="ray", progress=False)
+    assert str(remote.value) == str(local.value)
+    assert (remote.value.where, remote.value.reason) == ("line 6", "malformed_json")
+
+
+def test_staged_units_are_reused_not_tokenized_again(tmp_path):
+    (tmp_path / "c.jsonl").write_text('{"text": "abc"}\n{"text": ""}\n{"text": "de"}\n')
+    unit = Unit(str(tmp_path / "c.jsonl"), 0, -1)
+    job = Job(config=PrepareConfig(), out=str(tmp_path), staging=str(tmp_path), dtype="uint16",
+              key="k", cwd="/")
+    u, lengths, skips, n = stage_unit(job, 0, unit)
+    assert (u, lengths.tolist(), n) == (0, [4, 3], 7)
+    assert [(o, s.reason) for o, s in skips] == [(1, "empty_document")]
+    # same key: read back without loading the tokenizer (this spec would not load)
+    bogus = Job(**{**job.__dict__, "config": PrepareConfig(tokenizer="/nonexistent.json")})
+    again = stage_unit(bogus, 0, unit)
+    assert again[0] == 0 and again[1].tolist() == [4, 3] and again[2] == skips
+    # another key: the staged unit is not trusted
+    with pytest.raises(Exception, match="nonexistent"):
+        stage_unit(Job(**{**bogus.__dict__, "key": "other"}), 0, unit)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_cut_follows_the_shard_writer(tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 9, size=rng.integers(0, 60))  # zero-token documents too
+    shard_tokens = int(rng.integers(1, 30))
+    w = ShardWriter(tmp_path, dtype=np.uint16, shard_tokens=shard_tokens)
+    want = [n for _, n in w.add(np.zeros(int(lengths.sum()), np.uint16), lengths)]
+    w.abort()
+    cuts = sorted(rng.choice(len(lengths) + 1, size=min(4, len(lengths) + 1), replace=False))
+    got, fill, start = [], 0, 0
+    for stop in [*cuts, len(lengths)]:  # the same documents arriving in units of any size
+        closes, fill = cut(lengths[start:stop], fill, shard_tokens)
+        got += [start + c for c in closes]
+        start = stop
+    assert want == got
+    assert fill == int(lengths.sum()) - int(lengths[:got[-1]].sum() if got else 0)
+
+
+def test_unknown_engine_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="engine must be 'local' or 'ray'"):
+        prepare(["x.jsonl"], out=tmp_path / "s", engine="spark")
+
+
+def test_nothing_left_in_home_or_tmp(ray_cluster):
+    # Ray's defaults (~/.ray/auth_token, /tmp/ray/session_*) stay untouched while it runs;
+    # the fixture checks again after shutdown
+    assert {p: p.exists() for p in LEFTOVERS} == LEFTOVERS_BEFORE

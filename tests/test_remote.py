@@ -1,0 +1,447 @@
+"""Remote stores and inputs against a real S3-compatible server (moto) on 127.0.0.1, with s3fs.
+
+Covers: prepare from S3 (and plain HTTP) inputs, prepare --out s3://… (manifest last, resume
+after SIGKILL), reading a remote store through the shard cache (LRU eviction, pinned shards never
+evicted, prefetch), a download killed mid-way, a corrupt object caught by its checksum, and two
+processes sharing one cache directory.
+"""
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+
+import s3fs  # noqa: F401  (dev dependencies: a missing one is a broken install, not a skip)
+import moto.server as moto_server
+
+import tokenmill  # noqa: E402
+from conftest import store_bytes, write_jsonl, write_positional_store  # noqa: E402
+from tokenmill import remote  # noqa: E402
+from tokenmill.errors import ConfigError, StoreError  # noqa: E402
+from tokenmill.prepare import prepare  # noqa: E402
+from tokenmill.remote import CacheFullError, ShardCache  # noqa: E402
+from tokenmill.sources import SourceConfig, read_documents  # noqa: E402
+from tokenmill.store import TokenStore, verify_store  # noqa: E402
+
+DOC = 500  # tokens per document of the positional stores
+BIN = 8 * DOC * 4  # 8 int32 documents per shard: 16,000 bytes
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A moto S3 server on 127.0.0.1 for the whole session, stopped at the end."""
+    import logging
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+class S3:
+    """One fresh bucket; AWS_* variables point at the local server only while the test runs."""
+
+    def __init__(self, endpoint: str, bucket: str):
+        import s3fs
+        self.endpoint, self.bucket = endpoint, bucket
+        self.fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        self.fs.mkdir(bucket)
+
+    def url(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    def put_dir(self, local: Path, key: str) -> str:
+        for p in sorted(local.iterdir()):
+            if p.is_file():
+                self.fs.put_file(str(p), f"{self.bucket}/{key}/{p.name}")
+        return self.url(key)
+
+    def objects(self, key: str) -> dict[str, bytes]:
+        self.fs.invalidate_cache()
+        return {Path(p).name: self.fs.cat_file(p) for p in self.fs.ls(f"{self.bucket}/{key}")}
+
+
+@pytest.fixture
+def s3(s3_endpoint, monkeypatch, tmp_path):
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "default-cache"))
+    return S3(s3_endpoint, f"t-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def remote_store(s3, tmp_path):
+    """A 4-shard positional store (token p == p, int32), uploaded; returns (url, local path)."""
+    local = write_positional_store(tmp_path / "local-store", [DOC] * 32, shard_tokens=8 * DOC)
+    return s3.put_dir(local, "store"), local
+
+
+def idx_total(local: Path) -> int:
+    return sum(p.stat().st_size for p in local.glob("*.idx"))
+
+
+def cache_files(cache_dir: Path) -> list[str]:
+    return sorted(p.name for p in (cache_dir / "shards").iterdir() if not p.name.startswith("."))
+
+
+# ---- prepare: inputs in a bucket, out to a bucket --------------------------------------------
+
+def test_prepare_from_s3_and_http_inputs_equals_local(s3, tmp_path, real_texts):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+    src = tmp_path / "in"
+    src.mkdir()
+    texts = real_texts[:60]
+    write_jsonl(src / "a.jsonl", texts[:20])
+    (src / "b.jsonl.gz").write_bytes(gzip.compress(
+        "".join(json.dumps({"text": t}) + "\n" for t in texts[20:35]).encode()))
+    (src / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        "".join(json.dumps({"text": t}) + "\n" for t in texts[35:45]).encode()))
+    pq.write_table(pa.table({"text": texts[45:]}), src / "d.parquet", row_group_size=4)
+    s3.put_dir(src, "in")
+    opts = dict(workers=2, progress=False, unit_bytes=20_000, shard_tokens=40_000)
+    local = prepare([str(src)], out=tmp_path / "local", **opts)
+    remote_ = prepare([s3.url("in/")], out=tmp_path / "remote", **opts)
+    assert remote_["num_documents"] == local["num_documents"] == len(texts)
+    assert remote_["shards"] == local["shards"]  # byte-identical shards, by checksum
+    globbed = prepare([s3.url("in/*.jsonl")], out=tmp_path / "glob", **opts)
+    assert globbed["num_documents"] == 20
+
+    # a plain HTTP(S) URL: the same bucket object, made public, read through fsspec's http
+    s3.fs.chmod(f"{s3.bucket}/in/a.jsonl", acl="public-read")
+    http = f"{s3.endpoint}/{s3.bucket}/in/a.jsonl"
+    from_http = prepare([http], out=tmp_path / "http", **opts)
+    assert from_http["shards"] == globbed["shards"]
+
+
+def test_txt_paragraphs_over_s3_byte_ranges_match_local(s3, tmp_path, real_texts):
+    text = "\n\n".join(real_texts[:40])
+    (tmp_path / "p.txt").write_text(text)
+    s3.fs.put_file(str(tmp_path / "p.txt"), f"{s3.bucket}/p.txt")
+    cfg = SourceConfig(txt_mode="paragraphs", unit_bytes=30_000)
+    local = list(read_documents(str(tmp_path / "p.txt"), cfg))
+    over_s3 = list(read_documents(s3.url("p.txt"), cfg))
+    assert len(local) > 1000 and over_s3 == local
+
+
+def _subprocess_env() -> dict:
+    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(Path(__file__).parent))
+
+
+def test_prepare_to_s3_uploads_shards_manifest_last_and_resumes_after_sigkill(s3, tmp_path,
+                                                                              real_texts):
+    corpus = write_jsonl(tmp_path / "c.jsonl", real_texts[:150])
+    opts = dict(workers=1, progress=False, shard_tokens=60_000, unit_bytes=50_000)
+    ref = prepare([str(corpus)], out=tmp_path / "ref", **opts)
+    assert len(ref["shards"]) >= 6
+    out = s3.url("out/store")
+    # a run killed (SIGKILL) while uploading the .idx of shard 3: shards 0-2 are committed,
+    # shard 3's .bin is in the bucket but never committed, and there is no manifest
+    script = textwrap.dedent(f"""
+        import os, signal
+        from tokenmill import prepare, remote
+        real = remote.RemoteOut.upload_shard
+        def upload(self, staging, info):
+            if info.name == "shard-00003":
+                self.fs.put_file(str(staging / (info.name + ".bin")), self._rpath(info.name + ".bin"))
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(self, staging, info)
+        remote.RemoteOut.upload_shard = upload
+        prepare([{str(corpus)!r}], out={out!r}, **{opts!r})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], env=_subprocess_env())
+    assert proc.returncode == -signal.SIGKILL
+    left = s3.objects("out/store")
+    assert "manifest.json" not in left and "shard-00003.bin" in left and "shard-00002.idx" in left
+    with pytest.raises(StoreError, match="prepare did not finish"):
+        TokenStore(out, cache_dir=tmp_path / "cache")
+
+    uploads = []
+    real = remote.RemoteOut.upload_shard
+
+    def counting(self, staging, info):
+        uploads.append(info.name)
+        # the manifest goes last: it is not there while any shard is being uploaded
+        assert "manifest.json" not in remote.list_sizes(self.url, None)
+        real(self, staging, info)
+
+    remote.RemoteOut.upload_shard = counting
+    try:
+        again = prepare([str(corpus)], out=out, **opts)
+    finally:
+        remote.RemoteOut.upload_shard = real
+    assert uploads[0] == "shard-00003", "the rerun did not resume after the committed shards"
+    assert again == ref
+    assert s3.objects("out/store") == store_bytes(tmp_path / "ref")  # byte-identical store
+    staging = remote.default_cache_dir() / "staging" / remote.url_key(out)
+    assert not staging.exists()
+
+    # finished: a rerun is a no-op, other settings are refused unless overwrite
+    assert prepare([str(corpus)], out=out, **opts) == ref
+    with pytest.raises(ConfigError, match="other settings"):
+        prepare([str(corpus)], out=out, **{**opts, "shard_tokens": 90_000})
+    replaced = prepare([str(corpus)], out=out, overwrite=True, **{**opts, "shard_tokens": 90_000})
+    assert set(s3.objects("out/store")) == {"manifest.json"} | {
+        f"{s['name']}{e}" for s in replaced["shards"] for e in (".bin", ".idx")}
+    assert verify_store(out) == []
+
+
+# ---- reading a remote store through the cache ------------------------------------------------
+
+def test_remote_store_reads_exactly_and_loader_batches_match_local(remote_store, tmp_path):
+    url, local = remote_store
+    with TokenStore(url, cache_dir=tmp_path / "cache") as st, TokenStore(local) as ref:
+        assert st.fingerprint == ref.fingerprint and len(st) == len(ref) == 32
+        assert np.array_equal(st.tokens(0, st.num_tokens), np.arange(st.num_tokens))
+        assert np.array_equal(st[13], ref[13])
+        assert st.open_args()["path"] == url
+        import pickle
+        again = pickle.loads(pickle.dumps(st))  # pickles as how to reopen it: same cache
+        assert again.local_dir == st.local_dir and np.array_equal(again[31], ref[31])
+        loaders = [tokenmill.Loader(s, seq_len=100, batch_size=4, num_workers=0, seed=3)
+                   for s in (st, ref)]
+        for _, a, b in zip(range(10), *loaders):
+            assert np.array_equal(a["inputs"], b["inputs"])
+            assert np.array_equal(a["targets"], b["targets"])
+        assert loaders[0].fingerprint == loaders[1].fingerprint
+
+
+def test_loader_over_a_store_larger_than_the_cache_fails_at_start(remote_store, tmp_path):
+    url, local = remote_store
+    st = TokenStore(url, cache_dir=tmp_path / "cache", cache_bytes=idx_total(local) + 2 * BIN)
+    with pytest.raises(CacheFullError, match="pinned by open stores"):
+        tokenmill.Loader(st, seq_len=100, batch_size=4, num_workers=0)  # maps every shard
+
+
+def test_credentials_from_storage_options_alone(remote_store, s3, tmp_path, monkeypatch):
+    url, _ = remote_store
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens: unused
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var)
+    opts = {"key": "testing", "secret": "testing", "endpoint_url": s3.endpoint,
+            "skip_instance_cache": True}
+    with TokenStore(url, cache_dir=tmp_path / "cache", storage_options=opts) as st:
+        assert int(st.tokens(15_000, 15_001)[0]) == 15_000
+        assert st.open_args()["storage_options"] == opts
+
+
+def test_shard_cache_evicts_least_recently_used_and_never_a_pinned_file(s3, tmp_path):
+    rng = np.random.default_rng(0)
+    blobs = {k: rng.integers(0, 256, 1000, dtype=np.uint8).tobytes() for k in "abcde"}
+    for k, data in blobs.items():
+        s3.fs.pipe_file(f"{s3.bucket}/o/{k}.bin", data)
+    key = {k: (s3.url(f"o/{k}.bin"), 1000, xxhash.xxh3_64_hexdigest(d)) for k, d in blobs.items()}
+    cache = ShardCache(tmp_path / "cache", 3000)
+
+    def held() -> list[str]:
+        return [next(k for k in key if ShardCache.entry_name(*key[k]) == e.name)
+                for e in cache.entries()]  # least recently used first
+
+    for k in "abc":
+        assert Path(cache.fetch(*key[k])).read_bytes() == blobs[k]
+    cache.fetch(*key["a"])  # a is used again: b is now the least recently used
+    assert held() == ["b", "c", "a"]
+    cache.fetch(*key["d"])
+    assert held() == ["c", "a", "d"] and cache.usage() <= 3000
+    with cache.pin(*key["c"]) as pin:  # pinning is a use: c is now the most recently used
+        cache.fetch(*key["a"])
+        cache.fetch(*key["d"])
+        assert held() == ["c", "a", "d"]
+        cache.fetch(*key["e"])  # c is the least recently used, but pinned: a goes instead
+        assert held() == ["c", "d", "e"] and pin.path.read_bytes() == blobs["c"]
+        assert [e.pinned for e in cache.entries()] == [True, False, False]
+        with cache.pin(*key["d"]), cache.pin(*key["e"]):
+            with pytest.raises(CacheFullError, match="pinned"):
+                cache.fetch(*key["a"])
+    cache.fetch(*key["a"])  # c is unpinned again, and least recently used
+    assert held() == ["d", "e", "a"]
+    with pytest.raises(CacheFullError, match="more than the whole cache"):
+        ShardCache(tmp_path / "small", 999).fetch(*key["a"])
+
+
+def test_mapped_shard_is_never_evicted_and_is_released_with_its_last_view(remote_store, tmp_path):
+    url, local = remote_store
+    cache_dir = tmp_path / "cache"
+    limit = idx_total(local) + 2 * BIN + BIN // 2  # room for two of the four shards
+    st = TokenStore(url, cache_dir=cache_dir, cache_bytes=limit)
+    cache = ShardCache(cache_dir, limit)  # another handle on the same directory
+    bin0 = ShardCache.entry_name(f"{url}/shard-00000.bin", BIN, st.manifest["shards"][0]["bin_xxh3"])
+    doc = st[3]  # a view into shard 0: the shard stays mapped and pinned while it lives
+    for _ in range(2):
+        for i in (1, 2, 3, 1, 3, 2):
+            assert np.array_equal(st.tokens(i * 4000, (i + 1) * 4000),
+                                  np.arange(i * 4000, (i + 1) * 4000))
+            assert (cache_dir / "shards" / bin0).exists()
+            assert cache.usage() <= limit
+    assert np.array_equal(doc, np.arange(3 * DOC, 4 * DOC))
+    assert {e.name: e.pinned for e in cache.entries()}[bin0]
+    st.close()
+    del doc  # the last view: the shard is unpinned and may go
+    assert not {e.name: e.pinned for e in cache.entries()}[bin0]
+    st = TokenStore(url, cache_dir=cache_dir, cache_bytes=limit)
+    for i in (1, 2, 3):
+        st.tokens(i * 4000, i * 4000 + 1)
+    st.close()
+    assert not (cache_dir / "shards" / bin0).exists()
+
+
+def test_prefetch_and_readahead_fill_the_cache_in_the_background(remote_store, tmp_path):
+    url, _ = remote_store
+    with TokenStore(url, cache_dir=tmp_path / "c1") as st:
+        # the four indexes are byte-identical (8 documents of 500 tokens): one content-named entry
+        assert [f.split("-")[1] for f in cache_files(tmp_path / "c1")] == ["202.idx", "202.idx.lock"]
+        paths = st.prefetch().result(timeout=30)
+        assert [Path(p).stat().st_size for p in paths] == [BIN] * 4
+    with TokenStore(url, cache_dir=tmp_path / "c2") as st:
+        st.shard(0)  # maps shard 0, then fetches shards 1 and 2 ahead of need
+        names = {ShardCache.entry_name(f"{url}/{s['name']}.bin", BIN, s["bin_xxh3"])
+                 for s in st.manifest["shards"][1:3]}
+        deadline = time.monotonic() + 30
+        while not names <= set(cache_files(tmp_path / "c2")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert names <= set(cache_files(tmp_path / "c2"))
+    local = remote_store[1]
+    with TokenStore(local) as st:
+        assert st.prefetch().result() == [] and st.local_dir == local
+
+
+# ---- failures: an interrupted download, a corrupt object ---------------------------------------
+
+def test_download_interrupted_midway_leaves_no_usable_file(remote_store, tmp_path, monkeypatch):
+    url, _ = remote_store
+    cache_dir = tmp_path / "cache"
+    shard = TokenStore(url, cache_dir=cache_dir).manifest["shards"][2]
+    args = (f"{url}/shard-00002.bin", BIN, shard["bin_xxh3"])
+    name = ShardCache.entry_name(*args)
+    # 1. a process killed (SIGKILL) in the middle of the download
+    script = textwrap.dedent(f"""
+        import sys, time
+        from tokenmill import remote
+        remote._CHUNK = 4096
+        real = remote._open_remote
+        class Stalls:
+            def __init__(self, f): self.f, self.n = f, 0
+            def __enter__(self): return self
+            def __exit__(self, *a): self.f.close()
+            def read(self, n):
+                self.n += 1
+                if self.n == 2:
+                    print("started", flush=True)
+                    time.sleep(600)
+                return self.f.read(n)
+        remote._open_remote = lambda fs, p: Stalls(real(fs, p))
+        remote.ShardCache({str(cache_dir)!r}, 1 << 30).fetch(*{args!r})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env=_subprocess_env())
+    try:
+        assert proc.stdout.readline().strip() == "started"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    files = cache_files(cache_dir)
+    assert name not in files and any(f.startswith(f"{name}.tmp-") for f in files)  # debris left
+    st = TokenStore(url, cache_dir=cache_dir)  # the next open downloads it again, whole
+    assert np.array_equal(st.shard(2), np.arange(8000, 12000))
+    st.close()
+    assert name in cache_files(cache_dir) and not any(".tmp-" in f for f in cache_files(cache_dir))
+
+    # 2. a stream that fails part-way: an error naming the URL, nothing left behind
+    cache_dir2 = tmp_path / "cache2"
+    monkeypatch.setattr(remote, "_CHUNK", 4096)
+    real = remote._open_remote
+
+    class Breaks:
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+        def read(self, n):
+            self.n += 1
+            if self.n == 3:
+                raise ConnectionResetError("connection reset by peer")
+            return self.f.read(n)
+
+    monkeypatch.setattr(remote, "_open_remote", lambda fs, p: Breaks(real(fs, p)))
+    with pytest.raises(StoreError, match="shard-00002.bin: download failed .ConnectionResetError"):
+        ShardCache(cache_dir2, 1 << 30).fetch(*args)
+    assert [f for f in cache_files(cache_dir2) if not f.endswith(".lock")] == []
+    monkeypatch.setattr(remote, "_open_remote", real)
+    assert Path(ShardCache(cache_dir2, 1 << 30).fetch(*args)).stat().st_size == BIN
+
+
+def test_corrupt_object_is_caught_by_its_checksum(remote_store, s3, tmp_path):
+    url, local = remote_store
+    key = f"{s3.bucket}/store/shard-00001.bin"
+    data = bytearray(s3.fs.cat_file(key))
+    data[5000] ^= 0xFF  # same size, one flipped byte
+    s3.fs.pipe_file(key, bytes(data))
+    st = TokenStore(url, cache_dir=tmp_path / "cache")  # sizes agree: opening succeeds
+    assert np.array_equal(st.shard(0), np.arange(4000))
+    with pytest.raises(StoreError, match=rf"{url}/shard-00001.bin: shard file shard-00001.bin "
+                                         r"fails its checksum"):
+        st.shard(1)
+    assert not any(f.endswith(".bin") and st.manifest["shards"][1]["bin_xxh3"] in f
+                   for f in cache_files(tmp_path / "cache"))
+    problems = verify_store(url)
+    assert len(problems) == 1 and "shard-00001.bin" in problems[0] and "checksum" in problems[0]
+    s3.fs.pipe_file(key, bytes(data[:-4]))  # a truncated object is caught at open, by size
+    with pytest.raises(StoreError, match=r"shard-00001.bin: expected 16,000 bytes, found 15,996"):
+        TokenStore(url, cache_dir=tmp_path / "cache")
+
+
+# ---- several processes, one cache ------------------------------------------------------------
+
+def test_two_processes_share_one_cache_directory(remote_store, tmp_path):
+    url, local = remote_store
+    cache_dir = tmp_path / "shared-cache"
+    limit = idx_total(local) + 3 * BIN  # less than the store: the readers evict each other's
+    script = textwrap.dedent(f"""
+        import sys
+        import numpy as np
+        from tokenmill import TokenStore
+        seed = int(sys.argv[1])
+        rng = np.random.default_rng(seed)
+        st = TokenStore({url!r}, cache_dir={str(cache_dir)!r}, cache_bytes={limit})
+        for _ in range(40):
+            i = int(rng.integers(0, 4))
+            a = int(rng.integers(0, 3900))
+            got = np.array(st.tokens(i * 4000 + a, i * 4000 + a + 100))
+            assert np.array_equal(got, np.arange(i * 4000 + a, i * 4000 + a + 100)), (i, a)
+        print("ok", flush=True)
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(seed)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=_subprocess_env())
+             for seed in (1, 2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and out.strip() == "ok", err
+    files = cache_files(cache_dir)
+    assert not any(".tmp-" in f for f in files), files
+    cache = ShardCache(cache_dir, limit)
+    assert cache.usage() <= limit
+    for e in cache.entries():  # whatever is left is complete and verified
+        assert not e.pinned and e.name.split("-")[0] == xxhash.xxh3_64_hexdigest(
+            (cache_dir / "shards" / e.name).read_bytes())

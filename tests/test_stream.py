@@ -1,0 +1,392 @@
+"""Streaming mode: batches equal a reference built from the documents, workers, ranks, resume in
+fresh processes (also after a crash), the cache store equals prepare's, errors and lifetime."""
+
+import gc
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import stdlib_texts, store_bytes, write_jsonl
+from tokenmill import Loader, Meter, prepare, verify_store
+from tokenmill.errors import ConfigError, InputError
+from tokenmill.pack import concat_offset
+from tokenmill.sampler import hash_ints
+from tokenmill.stream import (DELAY_TAG, PROGRESS_FILE, emission_order, emission_time,
+                              emitted_before)
+
+L, B, S = 32, 4, 24
+OPTS = dict(unit_bytes=3000, shard_tokens=20_000)  # many units, several shards
+
+
+def paragraphs(limit_bytes):
+    """Real text cut at blank lines: documents of 1 to a few hundred bytes, in a fixed order."""
+    docs = []
+    for t in stdlib_texts(limit_bytes):
+        docs += [p for p in t.split("\n\n") if p.strip()]
+    return docs
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Two JSONL files of real paragraphs; the documents in the order the sources read them."""
+    root = tmp_path_factory.mktemp("text")
+    docs = paragraphs(110_000)
+    half = len(docs) // 2
+    write_jsonl(root / "a.jsonl", docs[:half])
+    write_jsonl(root / "b.jsonl", docs[half:])
+    return root, docs
+
+
+def stream_tokens(docs):
+    """What the bytes tokenizer makes of the documents: UTF-8 bytes, EOS (256) after each."""
+    return np.concatenate([np.append(np.frombuffer(d.encode(), np.uint8).astype(np.int32), 256)
+                           for d in docs])
+
+
+def reference_order(n, seed, shuffle_buffer):
+    """The documented order: window i leaves at i + hash(DELAY_TAG, seed, i) mod min(S, i + 1),
+    ties by i."""
+    i = np.arange(n, dtype=np.int64)
+    t = i + (hash_ints(DELAY_TAG, seed, i) % np.minimum(i + 1, shuffle_buffer).astype(np.uint64)
+             ).astype(np.int64)
+    return i[np.lexsort((i, t))]
+
+
+class Reference:
+    """Batches computed from the documents alone (epoch 0) and from the store (later epochs)."""
+
+    def __init__(self, docs, *, seed=0, batch_size=B, world_size=1, shuffle_buffer=S):
+        self.tokens = stream_tokens(docs)
+        self.n = (len(self.tokens) - L) // L
+        self.order = reference_order(self.n, seed, shuffle_buffer)
+        self.offset = concat_offset(L, seed=seed, epoch=0)
+        self.seed, self.B, self.W = seed, batch_size, world_size
+
+    def batch(self, step, rank=0, store=None):
+        k = step * self.B * self.W
+        rows = []
+        for p in range(k + rank * self.B, k + (rank + 1) * self.B):
+            if p < self.n:
+                s = self.offset + int(self.order[p]) * L
+                rows.append(self.tokens[s:s + L + 1])
+            else:
+                assert store is not None, "past the pass: needs the store"
+                with Loader(store, seq_len=L, batch_size=1, seed=self.seed, rank=0,
+                            world_size=1) as ld:
+                    b = ld.batch_at(p)
+                rows.append(np.append(b["inputs"][0], b["targets"][0][-1]))
+        rows = np.stack(rows)
+        return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+
+
+def take(loader, n):
+    return [{k: v.copy() for k, v in b.items()} for _, b in zip(range(n), loader)]
+
+
+def assert_batches(got, ref, first_step=0, rank=0, store=None):
+    for j, b in enumerate(got):
+        want = ref.batch(first_step + j, rank, store)
+        assert b["inputs"].dtype == np.int32 and b["inputs"].shape == (ref.B, L)
+        for key in ("inputs", "targets"):
+            assert np.array_equal(b[key], want[key]), f"step {first_step + j}, rank {rank}: {key}"
+
+
+def make(corpus, cache, **kw):
+    root, _ = corpus
+    args = dict(seq_len=L, batch_size=B, cache_dir=cache, seed=0, rank=0, world_size=1,
+                num_workers=0, shuffle_buffer=S, **OPTS)
+    args.update(kw)
+    return Loader.from_text([str(root)], **args)
+
+
+def children(exclude=()):
+    """Live child processes of this one (leftovers of other tests passed as ``exclude``)."""
+    import psutil
+    found = []
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if c.pid not in exclude and c.status() != psutil.STATUS_ZOMBIE and \
+                    "resource_tracker" not in " ".join(c.cmdline()):
+                found.append(c)
+        except psutil.Error:  # ended meanwhile
+            pass
+    return found
+
+
+def pids():
+    return {c.pid for c in children()}
+
+
+# ---- the order ----------------------------------------------------------------------------------
+
+def test_golden_pass_order_seed_0():
+    # Only update if you mean to break users' reproducibility: the pass order for seed 0, S = 8.
+    order, times = emission_order(0, 20, seed=0, shuffle_buffer=8)
+    assert order[:16].tolist() == [0, 1, 2, 3, 4, 5, 6, 12, 7, 11, 8, 9, 10, 14, 13, 15]
+    assert times[:16].tolist() == [0, 1, 2, 4, 5, 6, 8, 13, 14, 14, 15, 15, 15, 15, 17, 17]
+
+
+@pytest.mark.parametrize("n", [None, 50])
+def test_emission_time_inverts_the_order(n):
+    order, times = emission_order(0, 200, seed=3, shuffle_buffer=9, num_windows=n)
+    total = len(order) if n is None else n
+    assert n is None or sorted(order.tolist()) == list(range(n))  # a permutation of the pass
+    assert (np.abs(order - np.arange(len(order)))[:total - 9] < 9).all()  # moved < S places
+    for k in range(0, total if n else 150):
+        t = emission_time(k, seed=3, shuffle_buffer=9, num_windows=n)
+        assert t == times[k]
+        assert emitted_before(t, seed=3, shuffle_buffer=9, num_windows=n) <= k
+
+
+# ---- batches ------------------------------------------------------------------------------------
+
+def test_pass_equals_the_reference_then_the_store_and_the_cache_equals_prepare(corpus, tmp_path):
+    root, docs = corpus
+    ref = Reference(docs)
+    with make(corpus, tmp_path / "cache", num_workers=2) as ld:
+        assert ld.num_workers == 2
+        steps = ref.n // B + 3  # the whole pass, a batch across its end, and two of epoch 1
+        got = take(ld, steps)
+        store = ld.store_path
+        assert ld.pass_samples == ref.n and len(ld) == ref.n // B
+        assert ld.stage_times()["tokenization"] > 0
+    assert verify_store(store) == []
+    assert_batches(got[:ref.n // B], ref)
+    assert_batches(got[ref.n // B:], ref, first_step=ref.n // B, store=store)
+    prepared = prepare([str(root)], out=tmp_path / "prepared", tokenizer="bytes", workers=1,
+                       progress=False, **OPTS)
+    assert len(prepared["shards"]) > 1
+    assert store_bytes(store) == store_bytes(tmp_path / "prepared")
+
+
+def test_same_batches_for_any_worker_count_and_from_a_complete_cache(corpus, tmp_path):
+    _, docs = corpus
+    ref = Reference(docs, seed=5)
+    runs = {}
+    for w in (0, 1, 3):
+        with make(corpus, tmp_path / f"cache{w}", num_workers=w, seed=5) as ld:
+            runs[w] = take(ld, 120)
+    assert_batches(runs[0], ref)
+    for w in (1, 3):
+        assert all(np.array_equal(a["inputs"], b["inputs"]) for a, b in zip(runs[0], runs[w]))
+    with make(corpus, tmp_path / "cache0", seed=5) as ld:  # cache complete? not yet: 120 steps
+        assert not (ld.store_path / "manifest.json").exists()
+        take(ld, ref.n // B + 1)
+        assert (ld.store_path / "manifest.json").exists()
+    before = pids()
+    with make(corpus, tmp_path / "cache0", seed=5, num_workers=2) as ld:  # epoch 0 from the store
+        assert_batches(take(ld, 50), ref)
+        assert ld.stage_times()["tokenization"] == 0 and children(before) == []
+
+
+def test_two_ranks_take_disjoint_slices_of_the_global_batch(corpus, tmp_path):
+    _, docs = corpus
+    ref = Reference(docs, batch_size=B, world_size=2)
+    cache = tmp_path / "shared"  # one cache: one of the two writes it, the other waits for it
+    with make(corpus, cache, rank=0, world_size=2) as r0, \
+            make(corpus, cache, rank=1, world_size=2) as r1:
+        steps = ref.n // (2 * B) + 2
+        got = [take(r0, steps), take(r1, steps)]
+        store = r0.store_path
+    windows = [[], []]
+    for rank in (0, 1):
+        assert_batches(got[rank], ref, rank=rank, store=store)
+        for step in range(ref.n // (2 * B)):  # rank r holds positions [k + rB, k + (r+1)B)
+            k = step * 2 * B + rank * B
+            windows[rank] += ref.order[k:k + B].tolist()
+    assert not set(windows[0]) & set(windows[1])
+    assert sorted(windows[0] + windows[1]) == sorted(ref.order[:ref.n // (2 * B) * 2 * B].tolist())
+    assert verify_store(store) == []
+
+
+def test_shuffle_buffer_memory_is_bounded(corpus, tmp_path):
+    root, _ = corpus
+    with make(corpus, tmp_path / "c", shuffle_buffer=64) as ld:
+        take(ld, 200)
+    longest = max(len(line) for f in root.glob("*.jsonl") for line in f.read_bytes().split(b"\n"))
+    delta = max(B, 64 // 4)
+    bound = (64 + 2 * delta + 2) * L + 2 * (OPTS["unit_bytes"] + longest)
+    assert 0 < ld.buffer_peak_tokens <= bound
+    assert ld.buffer_bytes() >= ((64 + 2 * delta + 2) * L + 2 * OPTS["unit_bytes"]) * 2  # uint16
+
+
+# ---- resume -------------------------------------------------------------------------------------
+
+RESUME = """
+import fcntl, json, os, sys
+from tokenmill import Loader
+jobs = json.loads(sys.argv[1])
+out = []
+for job in jobs:
+    fd = None
+    if job["locked"]:  # another process writes this cache: reading must start from resume_from
+        fd = os.open(job["lock"], os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    ld = Loader.from_text([job["root"]], seq_len={L}, batch_size={B}, cache_dir=job["cache"],
+                          seed=2, rank=0, world_size=1, num_workers=1, shuffle_buffer={S},
+                          unit_bytes={unit_bytes}, shard_tokens={shard_tokens})
+    ld.load_state_dict(job["state"])
+    out.append([b["inputs"].tolist() for _, b in zip(range(job["steps"]), ld)])
+    ld.close()
+    if fd is not None:
+        os.close(fd)
+print(json.dumps(out))
+"""
+
+
+def run_resume(jobs):
+    code = RESUME.format(L=L, B=B, S=S, **OPTS)
+    res = subprocess.run([sys.executable, "-c", code, json.dumps(jobs)], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout)
+
+
+def test_resume_is_exact_in_a_fresh_process(corpus, tmp_path):
+    root, docs = corpus
+    ref = Reference(docs, seed=2)
+    end = ref.n // B  # the first step that reaches past the pass
+    marks = [0, 1, 37, end // 2, end - 6, end - 1, end + 1]
+    cache = tmp_path / "cache"
+    states = {}
+    with make(corpus, cache, seed=2, num_workers=1) as ld:
+        for step in range(end + 2):
+            if step in marks:
+                states[step] = json.loads(json.dumps(ld.state_dict()))
+            next(iter(ld))  # a new iterator every step: nothing taken ahead is lost
+        store = ld.store_path
+    assert set(states[37]) == {"version", "mode", "fingerprint", "consumed_samples",
+                               "pass_samples", "resume_from"}
+    assert states[37]["resume_from"] is not None and states[37]["pass_samples"] is None
+    assert states[end + 1]["pass_samples"] == ref.n
+    jobs = []
+    for m in (0, 37, end - 1, end + 1):  # an empty cache: reads (and writes) from the start
+        jobs.append(dict(state=states[m], steps=4, cache=str(tmp_path / f"fresh{m}"), locked=False,
+                         root=str(root), lock=""))
+    for m in (1, end // 2, end - 6):  # another process writes the cache: replay from resume_from
+        other = tmp_path / f"other{m}"
+        other.mkdir()
+        jobs.append(dict(state=states[m], steps=4, cache=str(other), locked=True, root=str(root),
+                         lock=str(other / (store.name + ".lock"))))
+    for m in (37, end - 6):  # the complete cache: epoch 0 read back from the store
+        jobs.append(dict(state=states[m], steps=4, cache=str(cache), locked=False, root=str(root),
+                         lock=""))
+    for job, got in zip(jobs, run_resume(jobs)):
+        step = job["state"]["consumed_samples"] // B
+        assert len(got) == 4
+        for j, rows in enumerate(got):
+            want = ref.batch(step + j, store=store)["inputs"]
+            assert np.array_equal(np.array(rows), want), f"resume at {step} ({job['cache']}), +{j}"
+
+
+def test_a_crashed_pass_resumes_its_batches_and_its_cache(corpus, tmp_path):
+    root, docs = corpus
+    ref = Reference(docs)
+    cache, state_file = tmp_path / "cache", tmp_path / "state.json"
+    code = textwrap.dedent(f"""
+        import json, os, signal
+        from tokenmill import Loader
+        ld = Loader.from_text([{str(root)!r}], seq_len={L}, batch_size={B},
+                              cache_dir={str(cache)!r}, seed=0, rank=0, world_size=1,
+                              num_workers=1, shuffle_buffer={S},
+                              unit_bytes={OPTS['unit_bytes']}, shard_tokens=4000)
+        it = iter(ld)
+        for step in range(400):
+            next(it)
+            if step == 250:
+                json.dump(ld.state_dict(), open({str(state_file)!r}, "w"))
+        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup of any kind
+    """)
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == -signal.SIGKILL
+    store = next(p for p in cache.iterdir() if p.is_dir())
+    progress = json.loads((store / PROGRESS_FILE).read_text())
+    assert len(progress["records"]) >= 2  # shards committed before the crash
+    with make(corpus, cache, num_workers=1, **{"shard_tokens": 4000}) as ld:
+        ld.load_state_dict(json.load(open(state_file)))
+        got = take(ld, ref.n // B - 251 + 2)
+    assert_batches(got, ref, first_step=251, store=store)
+    prepare([str(root)], out=tmp_path / "prepared", tokenizer="bytes", workers=1, progress=False,
+            unit_bytes=OPTS["unit_bytes"], shard_tokens=4000)
+    assert store_bytes(store) == store_bytes(tmp_path / "prepared")
+
+
+def test_state_is_refused_for_other_settings(corpus, tmp_path):
+    with make(corpus, tmp_path / "c", seed=0) as a, make(corpus, tmp_path / "c", seed=1) as b:
+        take(a, 3)
+        with pytest.raises(ConfigError, match="fingerprint"):
+            b.load_state_dict(a.state_dict())
+        with pytest.raises(ConfigError, match="version"):
+            b.load_state_dict({"version": 1, "consumed_samples": 0, "fingerprint": "x"})
+    for kw, match in [({"shuffle_buffer": 0}, "shuffle_buffer"), ({"cache_dir": None}, "cache_dir"),
+                      ({"num_workers": -1}, "num_workers"), ({"batch_size": 0}, "batch_size")]:
+        with pytest.raises(ConfigError, match=match):
+            make(corpus, tmp_path / "c", **kw)
+
+
+# ---- errors and lifetime ------------------------------------------------------------------------
+
+def test_a_bad_line_surfaces_with_file_and_line(corpus, tmp_path):
+    _, docs = corpus
+    root = tmp_path / "bad"
+    root.mkdir()
+    write_jsonl(root / "a.jsonl", docs[:300])
+    lines = [json.dumps({"text": d}) for d in docs[300:400]]
+    lines[56] = '{"text": "unterminated'
+    (root / "b.jsonl").write_text("\n".join(lines) + "\n")
+    before = pids()
+    with make((root, None), tmp_path / "c", num_workers=2) as ld:
+        with pytest.raises(InputError, match=r"b\.jsonl:57"):
+            take(ld, 10_000)
+        with pytest.raises(InputError):  # and again, not a hang or a silent end
+            next(iter(ld))
+    assert children(before) == []
+
+
+def test_a_dead_worker_is_an_error_not_a_hang(corpus, tmp_path):
+    before = pids()
+    with make(corpus, tmp_path / "c", num_workers=1, unit_bytes=500) as ld:
+        it = iter(ld)
+        next(it)
+        for child in children(before):
+            child.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="died"):
+            for _ in range(100_000):
+                next(it)
+        assert time.monotonic() - t0 < 10
+
+
+def test_nothing_left_after_close_or_gc(corpus, tmp_path):
+    before, others = set(threading.enumerate()), pids()
+    ld = make(corpus, tmp_path / "c", num_workers=2)
+    take(ld, 5)
+    assert len(children(others)) == 2
+    ld.close()
+    ld.close()  # idempotent
+    ld = make(corpus, tmp_path / "c", num_workers=2)
+    take(ld, 5)
+    del ld
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (set(threading.enumerate()) - before or
+                                           children(others)):
+        time.sleep(0.05)
+    assert set(threading.enumerate()) - before == set()
+    assert children(others) == []
+
+
+def test_the_meter_sees_the_tokenization_stage(corpus, tmp_path):
+    with make(corpus, tmp_path / "c", num_workers=1) as ld:
+        meter = Meter(ld)
+        for _, _b in zip(range(300), meter):
+            pass
+        s = meter.summary()
+    assert set(s["stage_s"]) == {"tokenization", "write", "assemble"}
+    assert s["stage_s"]["tokenization"] > 0
