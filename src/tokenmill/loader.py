@@ -31,7 +31,7 @@ import numpy as np
 import xxhash
 
 from tokenmill import pack, sampler
-from tokenmill.errors import ConfigError, StoreError
+from tokenmill.errors import ConfigError
 from tokenmill.store import TokenStore
 
 STATE_VERSION = 1

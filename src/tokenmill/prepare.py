@@ -343,6 +343,60 @@ def _check_remote_out(target: remote.RemoteOut, key: dict, overwrite: bool) -> d
     return None
 
 
+@dataclass
+class Run:
+    """What both engines share once a prepare run is set up and its progress loaded."""
+
+    config: PrepareConfig
+    target: Any  # remote.RemoteOut for out="s3://…", else None
+    out: Path  # the local directory shards are written to (a staging dir for remote outs)
+    tok: Any
+    dtype: np.dtype
+    files: list[str]
+    sizes: dict[str, int]
+    settings: dict
+    key: dict
+    shards: list[ShardInfo]
+    cursor: tuple[int, int]
+    skips: SkipLog
+
+
+def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, progress,
+              **options: Any) -> Run | dict:
+    """Check settings and inputs, then load committed progress; the manifest if already done."""
+    config = PrepareConfig(tokenizer=tokenizer, **options)
+    inputs = [str(i) for i in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]
+    # out="s3://…": shards are staged locally, each uploaded as it is committed, manifest last
+    target = remote.RemoteOut(os.fspath(out), storage_options) if remote.is_url(out) else None
+    out = target.staging if target else Path(out)
+    tok = load_tokenizer(config.tokenizer, fast=config.fast_tokenizer, eos=config.eos, bos=config.bos)
+    if config.add_bos and tok.bos_id is None:
+        raise ConfigError(f"add_bos=True but tokenizer {config.tokenizer!r} has no BOS token; "
+                          "pass bos='…'")
+    files, list_skips = sources.list_files(inputs, on_error=config.on_error,
+                                           storage_options=storage_options)
+    sizes = _file_sizes(files, storage_options)
+    settings = config.settings(inputs, files, sizes)
+    key = _resume_key(settings, files, sizes, config.unit_bytes)
+    done = (_check_remote_out(target, key, overwrite) if target
+            else _check_out_dir(out, key, overwrite))
+    if done is not None:
+        shutil.rmtree(out if target else out / PROGRESS, ignore_errors=True)
+        _report(f"{target.url if target else out}: already complete "
+                f"({done['num_documents']:,} documents, {done['num_tokens']:,} tokens)", progress)
+        return done
+    out.mkdir(parents=True, exist_ok=True)
+    shards, cursor, skips = _load_progress(out, key, overwrite,
+                                           target.has_shard if target else None)
+    if target:
+        target.remove_from(len(shards))  # uploads that were never committed
+    if cursor == (0, 0) and not shards:
+        for s in list_skips:
+            skips.add(s)
+    return Run(config, target, out, tok, token_dtype(tok.vocab_size), files, sizes, settings, key,
+               shards, tuple(cursor), skips)
+
+
 def prepare(inputs: str | Sequence[str], *, out: str | os.PathLike, tokenizer: str = "bytes",
             workers: int | str = "auto", progress: bool | None = None, overwrite: bool = False,
             storage_options: dict | None = None, engine: str = "local",
@@ -363,38 +417,14 @@ def prepare(inputs: str | Sequence[str], *, out: str | os.PathLike, tokenizer: s
                               storage_options=storage_options, address=ray_address, **options)
     if engine != "local":
         raise ConfigError(f"engine must be 'local' or 'ray' (got {engine=!r})")
-    config = PrepareConfig(tokenizer=tokenizer, **options)
     n_workers = resolve_workers(workers)
-    inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
-    inputs = [str(i) for i in inputs]
-    # out="s3://…": shards are staged locally, each uploaded as it is committed, manifest last
-    target = remote.RemoteOut(os.fspath(out), storage_options) if remote.is_url(out) else None
-    out = target.staging if target else Path(out)
-    tok = load_tokenizer(config.tokenizer, fast=config.fast_tokenizer, eos=config.eos, bos=config.bos)
-    if config.add_bos and tok.bos_id is None:
-        raise ConfigError(f"add_bos=True but tokenizer {config.tokenizer!r} has no BOS token; "
-                          "pass bos='…'")
-    dtype = token_dtype(tok.vocab_size)
-    files, list_skips = sources.list_files(inputs, on_error=config.on_error,
-                                           storage_options=storage_options)
-    sizes = _file_sizes(files, storage_options)
-    settings = config.settings(inputs, files, sizes)
-    key = _resume_key(settings, files, sizes, config.unit_bytes)
-    done = (_check_remote_out(target, key, overwrite) if target
-            else _check_out_dir(out, key, overwrite))
-    if done is not None:
-        shutil.rmtree(out if target else out / PROGRESS, ignore_errors=True)
-        _report(f"{target.url if target else out}: already complete "
-                f"({done['num_documents']:,} documents, {done['num_tokens']:,} tokens)", progress)
-        return done
-    out.mkdir(parents=True, exist_ok=True)
-    shards, (cur_unit, cur_doc), skips = _load_progress(out, key, overwrite,
-                                                        target.has_shard if target else None)
-    if target:
-        target.remove_from(len(shards))  # uploads that were never committed
-    if cur_unit == 0 and cur_doc == 0 and not shards:
-        for s in list_skips:
-            skips.add(s)
+    run = start_run(inputs, out=out, tokenizer=tokenizer, overwrite=overwrite,
+                    storage_options=storage_options, progress=progress, **options)
+    if isinstance(run, dict):
+        return run  # already complete
+    config, target, out, tok, dtype = run.config, run.target, run.out, run.tok, run.dtype
+    files, sizes, settings, shards, skips = run.files, run.sizes, run.settings, run.shards, run.skips
+    cur_unit, cur_doc = run.cursor
     units = sources.plan_units(files, config.source_config(storage_options))
     writer = ShardWriter(out, dtype=dtype, shard_tokens=config.shard_tokens, first_shard=len(shards))
     weights = unit_weights(units, sizes)

@@ -45,13 +45,12 @@ import xxhash
 
 from tokenmill import remote, sources
 from tokenmill.errors import ConfigError, InputError, StoreError, TokenmillError
-from tokenmill.prepare import (MANIFEST, PROGRESS, PrepareConfig, SkipLog, _check_out_dir,
-                               _check_remote_out, _file_sizes, _load_progress, _Progress, _report,
-                               _resume_key, resolve_workers, summary_line, tokenize_unit,
-                               unit_weights)
+from tokenmill.prepare import (MANIFEST, PROGRESS, PrepareConfig, SkipLog,
+                               _Progress, _report, resolve_workers, start_run, summary_line,
+                               tokenize_unit, unit_weights)
 from tokenmill.store import (ShardInfo, atomic_write_bytes, atomic_write_json, build_manifest,
                              idx_bytes, json_bytes, shard_name)
-from tokenmill.tokenizer import load_tokenizer, token_dtype
+from tokenmill.tokenizer import load_tokenizer
 
 UNITS = "units"
 _TOKENIZERS: dict[tuple, Any] = {}  # per Ray worker process: loaded once, reused by its tasks
@@ -230,36 +229,13 @@ def prepare_on_ray(inputs: Sequence[str], *, out: str | os.PathLike, tokenizer: 
     joins that cluster. A Ray already initialized in this process is used as it is.
     """
     ray = _ray()
-    config = PrepareConfig(tokenizer=tokenizer, **options)
-    inputs = [str(i) for i in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]
-    target = remote.RemoteOut(os.fspath(out), storage_options) if remote.is_url(out) else None
-    out = target.staging if target else Path(out)
-    tok = load_tokenizer(config.tokenizer, fast=config.fast_tokenizer, eos=config.eos,
-                         bos=config.bos)
-    if config.add_bos and tok.bos_id is None:
-        raise ConfigError(f"add_bos=True but tokenizer {config.tokenizer!r} has no BOS token; "
-                          "pass bos='…'")
-    dtype = token_dtype(tok.vocab_size)
-    files, list_skips = sources.list_files(inputs, on_error=config.on_error,
-                                           storage_options=storage_options)
-    sizes = _file_sizes(files, storage_options)
-    settings = config.settings(inputs, files, sizes)
-    key = _resume_key(settings, files, sizes, config.unit_bytes)
-    done = (_check_remote_out(target, key, overwrite) if target
-            else _check_out_dir(out, key, overwrite))
-    if done is not None:
-        shutil.rmtree(out if target else out / PROGRESS, ignore_errors=True)
-        _report(f"{target.url if target else out}: already complete "
-                f"({done['num_documents']:,} documents, {done['num_tokens']:,} tokens)", progress)
-        return done
-    out.mkdir(parents=True, exist_ok=True)
-    shards, cursor, skips = _load_progress(out, key, overwrite,
-                                           target.has_shard if target else None)
-    if target:
-        target.remove_from(len(shards))  # shards written but never committed
-    if cursor == (0, 0) and not shards:
-        for s in list_skips:
-            skips.add(s)
+    run = start_run(inputs, out=out, tokenizer=tokenizer, overwrite=overwrite,
+                    storage_options=storage_options, progress=progress, **options)
+    if isinstance(run, dict):
+        return run  # already complete
+    config, target, out, tok, dtype = run.config, run.target, run.out, run.tok, run.dtype
+    files, sizes, settings, key = run.files, run.sizes, run.settings, run.key
+    shards, cursor, skips = run.shards, run.cursor, run.skips
     units = sources.plan_units(files, config.source_config(storage_options))
     where = target.url if target else os.path.abspath(out)
     job = Job(config=config, out=where, staging=f"{where}/{PROGRESS}/{UNITS}",
