@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test bench clean
+.PHONY: demo test soak bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+soak: $(STAMP)
+	TOKENMILL_FAULTS_SIZE=soak $(BIN)/python -m pytest -q tests/faults
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/prepare.py

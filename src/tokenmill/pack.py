@@ -23,9 +23,11 @@ Cache file (`packed-<key>-seq<seq_len>.npz`, uncompressed, written to a temp nam
 
 from __future__ import annotations
 
+import glob
 import heapq
 import os
 import re
+import socket
 import tempfile
 import warnings
 import zipfile
@@ -348,10 +350,40 @@ def _read_cache(path: Path, lengths: np.ndarray, seq_len: int) -> PackedLayout:
     return layout
 
 
+def _tmp_prefix(path: Path) -> str:
+    """Temp files of path's writers: ``<name>.<host>-<pid>.<random>.tmp``, so that a writer
+    killed mid-write (kill -9, OOM) can be told from one still writing."""
+    host = xxhash.xxh3_64_hexdigest(socket.gethostname().encode())[:8]
+    return f"{path.name}.{host}-"
+
+
+def _sweep_dead_writers(path: Path) -> None:
+    """Remove temp files that writers of ``path`` on this host left when they died."""
+    prefix = _tmp_prefix(path)
+    for tmp in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
+        pid = tmp.name[len(prefix):].split(".")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                tmp.unlink()
+            except OSError:  # gone meanwhile, or a read-only cache_dir: nothing to do
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
 def _write_atomic(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
     """Write arrays as an .npz at path via a temp file in the same directory and os.replace."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{_tmp_prefix(path)}{os.getpid()}.",
+                               suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
@@ -377,6 +409,8 @@ def load_or_build_packed(cache_dir: str | os.PathLike, *, key: str, doc_lengths:
     seq_len = _check_seq_len(seq_len)
     lengths = _check_lengths(doc_lengths)
     path = Path(cache_dir) / f"packed-{key}-seq{seq_len}.npz"
+    if path.parent.is_dir():
+        _sweep_dead_writers(path)
     if path.exists():
         try:
             return _read_cache(path, lengths, seq_len)

@@ -1,0 +1,1 @@
+"""Fault injection: real processes, real signals, real files (see docs/reliability.md)."""

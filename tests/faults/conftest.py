@@ -1,0 +1,148 @@
+"""Fault-suite sizes, figures and leak checks.
+
+``TOKENMILL_FAULTS_SIZE=quick`` (default: part of ``make test``, a few minutes on 2 cores) or
+``soak`` (``make soak``). Every test reads its counts from ``SIZE``; every test adds the figures
+it measured to ``FIGURES``, printed at the end of the run and, with ``TOKENMILL_FAULTS_REPORT=path``,
+written there as JSON (docs/reliability.md quotes them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+HERE = Path(__file__).resolve().parent
+PROGRAMS = HERE / "programs.py"  # the child processes the tests start and kill
+SHM = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class Size:
+    """How much each fault test does."""
+
+    train_kills: int  # SIGKILLs of a training process, in a row
+    prepare_kills: int  # SIGKILLs of prepare, each followed by a rerun
+    interrupts: int  # SIGINTs, for the loader and for prepare each
+    fuzz_examples: int  # generated inputs per in-process reader fuzz test (x2 policies)
+    fuzz_prepare: int  # generated inputs through a full prepare (x2 policies)
+    atheris_runs: int  # atheris (libFuzzer) executions
+    soak_batches: int  # batches through a process-worker Loader while RSS is watched
+    full_index: bool  # scale test writes the whole >2^31-document index, not only its tail
+    flip_masks: tuple[int, ...]  # every byte of manifests and indexes is flipped with each mask
+
+
+SIZES = {
+    "quick": Size(train_kills=20, prepare_kills=10, interrupts=4, fuzz_examples=2_000,
+                  fuzz_prepare=60, atheris_runs=3_000, soak_batches=20_000, full_index=False,
+                  flip_masks=(0x01,)),
+    "soak": Size(train_kills=100, prepare_kills=40, interrupts=20, fuzz_examples=25_000,
+                 fuzz_prepare=600, atheris_runs=200_000, soak_batches=1_000_000, full_index=True,
+                 flip_masks=(0x01, 0x20, 0x80)),
+}
+SIZE_NAME = os.environ.get("TOKENMILL_FAULTS_SIZE", "quick")
+if SIZE_NAME not in SIZES:
+    raise pytest.UsageError(f"TOKENMILL_FAULTS_SIZE must be one of {sorted(SIZES)} "
+                            f"(got {SIZE_NAME!r})")
+SIZE = SIZES[SIZE_NAME]
+
+FIGURES: dict[str, dict] = {}
+
+
+def record(name: str, **figures) -> None:
+    """Add figures under ``name`` (merged with what is there)."""
+    FIGURES.setdefault(name, {}).update(figures)
+
+
+def add(name: str, key: str, n: int) -> None:
+    """Add ``n`` to a counter figure."""
+    FIGURES.setdefault(name, {})
+    FIGURES[name][key] = FIGURES[name].get(key, 0) + n
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not FIGURES:
+        return
+    terminalreporter.section(f"tokenmill fault figures (size={SIZE_NAME})")
+    for name, figs in FIGURES.items():
+        terminalreporter.write_line(f"{name}: " + ", ".join(f"{k}={v}" for k, v in figs.items()))
+    if out := os.environ.get("TOKENMILL_FAULTS_REPORT"):
+        Path(out).write_text(json.dumps({"size": SIZE_NAME, "sizes": asdict(SIZE),
+                                         "figures": FIGURES}, indent=1, sort_keys=True) + "\n")
+
+
+# ---- leak checks ----------------------------------------------------------------------------
+
+def shm_in_use(procs: list[psutil.Process]) -> set[str]:
+    """/dev/shm names (POSIX shared memory, named semaphores) that ``procs`` map or hold open.
+
+    Taken right before a kill, this is exactly what the killed processes own: other programs on
+    the machine may use /dev/shm at the same time, so a before/after listing would blame them.
+    """
+    names = set()
+    for p in procs:
+        try:
+            for m in p.memory_maps(grouped=True):
+                if m.path.startswith(f"{SHM}/"):
+                    names.add(m.path[len(str(SHM)) + 1:].removesuffix(" (deleted)"))
+            for f in p.open_files():
+                if f.path.startswith(f"{SHM}/"):
+                    names.add(f.path[len(str(SHM)) + 1:])
+        except (psutil.Error, OSError):
+            continue
+    return names
+
+
+def stale_shm(names: set[str], timeout: float = 5.0) -> list[str]:
+    """Those of ``names`` still in /dev/shm after ``timeout`` seconds of cleanup (by
+    multiprocessing's resource tracker, once the last process holding them is gone)."""
+    deadline = time.monotonic() + timeout
+    while (left := sorted(n for n in names if (SHM / n).exists())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    """Every live descendant of ``pid`` (workers, multiprocessing's resource tracker, …)."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def survivors(procs: list[psutil.Process], timeout: float = 5.0) -> list[psutil.Process]:
+    """Those of ``procs`` still alive after ``timeout`` seconds (zombies count as gone)."""
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return [p for p in alive if _alive(p)]
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def files_under(path: Path) -> list[str]:
+    """Every file below ``path``, relative, sorted (hidden ones too)."""
+    return sorted(str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file())
+
+
+def child_env(tmpdir: Path, **extra) -> dict[str, str]:
+    """Environment for a child process: its own empty TMPDIR (checked afterwards), unbuffered."""
+    tmpdir.mkdir(parents=True, exist_ok=True)
+    src = str(HERE.parents[1] / "src")
+    return dict(os.environ, TMPDIR=str(tmpdir), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
+                PYTHONPATH=os.pathsep.join([src, str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+                **extra)
+
+
+def program(*args) -> list[str]:
+    """Command line of a child program from programs.py."""
+    return [sys.executable, str(PROGRAMS), *map(str, args)]

@@ -1,0 +1,321 @@
+"""prepare under faults: kill -9, Ctrl-C, a full disk, a dead worker; never a store cut short.
+
+Failure classes: preprocessing that stalls or ends early (plus the prepare side of stale shared
+memory and leftover temp files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from conftest import stdlib_texts, write_jsonl
+from faults.conftest import (SIZE, child_env, descendants, files_under, program, record,
+                             shm_in_use, stale_shm, survivors)
+from tokenmill import sources
+from tokenmill.errors import StoreError
+from tokenmill.prepare import prepare
+from tokenmill.store import TokenStore, read_manifest, verify_store
+from tokenmill.tokenizer import encode_documents, load_tokenizer
+
+SETTINGS = {"shard_tokens": 20_000, "unit_bytes": 48_000}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """~1.5 MB of real text in 24 JSONL files, a zstd JSONL and a 5-row-group parquet."""
+    src = tmp_path_factory.mktemp("corpus") / "src"
+    src.mkdir()
+    texts = stdlib_texts(1_500_000)
+    for i in range(22):
+        write_jsonl(src / f"part-{i:02d}.jsonl", texts[i::24])
+    (src / "part-22.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        "".join(json.dumps({"text": t}) + "\n" for t in texts[22::24]).encode()))
+    pq.write_table(pa.table({"text": texts[23::24]}), src / "part-23.parquet",
+                   row_group_size=max(1, len(texts[23::24]) // 5))
+    return src
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus, bpe_tokenizer):
+    """The store an uninterrupted prepare writes (one worker, in this process): every file's bytes."""
+    out = tmp_path_factory.mktemp("ref") / "store"
+    prepare([str(corpus)], out=out, tokenizer=bpe_tokenizer, workers=1, progress=False, **SETTINGS)
+    return out, snapshot(out)
+
+
+def snapshot(path: Path) -> dict[str, bytes]:
+    """Every file below path (hidden and nested too), by relative name."""
+    return {name: (path / name).read_bytes() for name in files_under(path)}
+
+
+def prepare_args(corpus, out, tokenizer, **extra) -> str:
+    return json.dumps({"inputs": [str(corpus)], "out": str(out), "tokenizer": tokenizer,
+                       "workers": 2, **SETTINGS, **extra})
+
+
+def run_to_end(args: str, env: dict, timeout: float = 120, meanwhile=lambda: None) -> None:
+    """Run prepare to its end (calling ``meanwhile()`` while it runs); it must succeed."""
+    proc = subprocess.Popen(program("prepare", args), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        meanwhile()
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and "done" in out, err
+
+
+def committed(out: Path) -> int:
+    """Shards committed by an unfinished prepare."""
+    return len(list((out / ".progress").glob("shard-*.json"))) if (out / ".progress").is_dir() else 0
+
+
+def looks_complete(out: Path) -> bool:
+    try:
+        read_manifest(out)
+        return True
+    except StoreError:
+        return False
+
+
+def kill9_at(args: str, env: dict, when: float, out: Path | None = None, commits: int = 1
+             ) -> tuple[list, set, bool]:
+    """Start prepare, SIGKILL it ``when`` seconds later (after its ``commits``-th shard commit
+    into ``out`` if given): (its descendants, the /dev/shm entries they used, finished before)."""
+    proc = subprocess.Popen(program("prepare", args), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while out is not None and committed(out) < commits and proc.poll() is None:
+            assert time.monotonic() < deadline, "prepare commits no shard: it stalls"
+            time.sleep(0.005)
+        time.sleep(when)
+        kids = descendants(proc.pid)
+        shm = shm_in_use([psutil.Process(proc.pid), *kids])
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+    return kids, shm, proc.returncode == 0
+
+
+def test_kill9_prepare_10x_every_rerun_finishes_byte_identical(tmp_path, corpus, bpe_tokenizer,
+                                                               reference):
+    _, ref = reference
+    env = child_env(tmp_path / "tmp")
+    t0 = time.monotonic()
+    run_to_end(prepare_args(corpus, tmp_path / "timing", bpe_tokenizer), env)
+    duration = time.monotonic() - t0
+    assert snapshot(tmp_path / "timing") == ref  # 2 workers, another process: the same bytes
+    rng = random.Random(3)
+    mid_run = with_shards = chained = redone = shm_cleaned = 0
+    for cycle in range(SIZE.prepare_kills):
+        out = tmp_path / f"out{cycle}"
+        args = prepare_args(corpus, out, bpe_tokenizer)
+        if cycle % 2 == 0:  # anywhere: start-up, tokenizing, writing shards, the manifest
+            kids, shm, finished = kill9_at(args, env, rng.uniform(0.05, 1.0) * duration)
+        else:  # right after one of the first shard commits
+            kids, shm, finished = kill9_at(args, env, rng.uniform(0, 0.02), out,
+                                           commits=rng.randint(1, 4))
+        mid_run += not finished and not looks_complete(out)
+        with_shards += committed(out) > 0
+        if cycle % 4 == 3 and not looks_complete(out):  # kill the rerun too: resume a resume
+            more, more_shm, _ = kill9_at(args, env, rng.uniform(0.4, 0.9) * duration)
+            kids, shm = kids + more, shm | more_shm
+            chained += 1
+        if cycle % 4 == 1 and committed(out):  # a committed shard damaged meanwhile is redone
+            shard = out / "shard-00000.bin"
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            shard.write_bytes(bytes(data))
+            redone += 1
+        assert not looks_complete(out) or snapshot(out) == ref, "a killed run left a bad store"
+
+        def no_leftovers(cycle=cycle, kids=kids, shm=shm):  # while the rerun starts
+            assert not survivors(kids), f"cycle {cycle}: orphan workers: {survivors(kids)}"
+            assert stale_shm(shm) == [], f"cycle {cycle}: stale shared memory"
+        run_to_end(args, env, meanwhile=no_leftovers)
+        shm_cleaned += len(shm)
+        assert snapshot(out) == ref, f"cycle {cycle}: the resumed store differs"
+        assert verify_store(out) == []
+        assert files_under(tmp_path / "tmp") == []
+    assert mid_run >= SIZE.prepare_kills * 7 // 10, "the kills landed after prepare finished"
+    assert with_shards >= SIZE.prepare_kills // 2 and redone >= SIZE.prepare_kills // 4
+    record("kill -9 prepare", kills=SIZE.prepare_kills + chained, cycles=SIZE.prepare_kills,
+           killed_mid_run=mid_run, killed_after_a_shard_commit=with_shards,
+           chained_resumes=chained, damaged_shards_redone=redone, byte_identical=SIZE.prepare_kills,
+           orphans=0, shm_entries_at_kill=shm_cleaned, shm_left=0)
+
+
+def cli_prepare(corpus, out, tokenizer) -> list[str]:
+    return [sys.executable, "-m", "tokenmill", "prepare", str(corpus), "--out", str(out),
+            "--tokenizer", tokenizer, "--workers", "2", "--shard-tokens",
+            str(SETTINGS["shard_tokens"]), "--quiet"]
+
+
+def test_ctrl_c_during_prepare_exits_within_2s_and_leaves_nothing_behind(tmp_path, corpus,
+                                                                         bpe_tokenizer, reference):
+    _, ref = reference
+    rng = random.Random(4)
+    exits = []
+    for i in range(SIZE.interrupts):
+        out, tmp = tmp_path / f"out{i}", tmp_path / f"tmp{i}"
+        env = child_env(tmp)
+        proc = subprocess.Popen(cli_prepare(corpus, out, bpe_tokenizer), env=env,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            time.sleep(rng.uniform(0.4, 1.2))
+            kids = descendants(proc.pid)
+            shm = shm_in_use([psutil.Process(proc.pid), *kids])
+            t0 = time.monotonic()
+            # a terminal's Ctrl-C: SIGINT to the whole foreground process group
+            os.killpg(proc.pid, signal.SIGINT)
+            code = proc.wait(timeout=10)
+            exits.append(time.monotonic() - t0)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        err = proc.stderr.read()
+        assert exits[-1] < 2.0, f"took {exits[-1]:.2f} s to exit after Ctrl-C"
+        if code != 0:  # (it may have finished just before)
+            assert code == 130 and "interrupted" in err, err
+            assert "Traceback" not in err, err
+        assert not survivors(kids, timeout=1), f"orphans after Ctrl-C: {survivors(kids)}"
+        assert files_under(tmp) == [] and stale_shm(shm) == []
+        assert not [f for f in files_under(out) if ".tmp" in f], files_under(out)
+        assert not looks_complete(out) or snapshot(out) == ref
+        if i % 2:  # the interrupted store finishes on a rerun
+            run_to_end(json.dumps({"inputs": [str(corpus)], "out": str(out),
+                                   "tokenizer": bpe_tokenizer, "workers": 2,
+                                   "shard_tokens": SETTINGS["shard_tokens"]}), env)
+            assert snapshot(out) == ref
+    record("Ctrl-C prepare", interrupts=SIZE.interrupts, slowest_exit_s=round(max(exits), 2),
+           left_behind=0)
+
+
+def _limit_file_size(limit: int):
+    def preexec():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return preexec
+
+
+def test_disk_full_during_prepare_is_a_clear_error_and_a_rerun_finishes(tmp_path, corpus,
+                                                                        bpe_tokenizer, reference):
+    _, ref = reference
+    # a corpus of many small shards, whose manifest is its biggest file
+    small = tmp_path / "small"
+    small.mkdir()
+    write_jsonl(small / "s.jsonl", [f"document {i} " * (i % 7 + 1) for i in range(300)])
+    small_args = {"inputs": [str(small)], "tokenizer": "bytes", "workers": 2,
+                  "shard_tokens": 100}
+    prepare(out=tmp_path / "small-ref", progress=False, **{**small_args, "workers": 1})
+    small_ref = snapshot(tmp_path / "small-ref")
+    biggest_other = max(len(v) for k, v in small_ref.items() if k != "manifest.json")
+    assert biggest_other < len(small_ref["manifest.json"]) // 2
+    # the first write past the limit fails: the first shard, a later (bigger) one, the manifest
+    sizes = [len(v) for k, v in sorted(ref.items()) if k.endswith(".bin")]
+    later = next(i for i in range(1, len(sizes)) if sizes[i] > max(sizes[:i]))
+    cases = {"first shard": (4_096, None), "a later shard": (max(sizes[:later]), None),
+             "the manifest": (len(small_ref["manifest.json"]) // 2, small_args)}
+    kept = {}
+    for what, (limit, small_case) in cases.items():
+        out = tmp_path / what.replace(" ", "-")
+        args = (json.dumps({**small_case, "out": str(out)}) if small_case else
+                prepare_args(corpus, out, bpe_tokenizer))
+        env = child_env(tmp_path / "tmp")
+        full = subprocess.run(program("prepare", args), env=env, capture_output=True, text=True,
+                              timeout=120, preexec_fn=_limit_file_size(limit))
+        assert full.returncode != 0, f"{what}: prepare succeeded with a full disk"
+        last = full.stderr.strip().splitlines()[-1]
+        # a clear error: tokenmill's own, saying the disk is full and how to finish
+        assert last.startswith("tokenmill.errors.StoreError") and "disk is full" in last \
+            and "again" in last, full.stderr
+        assert not looks_complete(out), f"{what}: a store that looks complete"
+        assert not [f for f in files_under(out) if ".tmp" in f], files_under(out)
+        kept[what] = committed(out)
+        run_to_end(args, env)  # space again: the rerun finishes the same store
+        assert snapshot(out) == (small_ref if small_case else ref)
+        assert files_under(tmp_path / "tmp") == []
+    assert kept["first shard"] == 0 and kept["a later shard"] == later
+    assert kept["the manifest"] == len([k for k in small_ref if k.endswith(".bin")])
+    record("disk full", cases=len(cases), shards_kept_then_resumed=sum(kept.values()),
+           clear_errors=len(cases), complete_looking_stores=0, temp_files=0)
+
+
+def test_preprocessing_stalls_never_a_dead_worker_is_an_error_not_a_hang(tmp_path, corpus,
+                                                                         bpe_tokenizer, reference):
+    _, ref = reference
+    out = tmp_path / "out"
+    args = prepare_args(corpus, out, bpe_tokenizer)
+    env = child_env(tmp_path / "tmp")
+    proc = subprocess.Popen(program("prepare", args), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (workers := [p for p in descendants(proc.pid)
+                               if "resource_tracker" not in " ".join(p.cmdline())]):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.3)
+        workers[0].kill()  # the OOM killer's way: SIGKILL
+        t0 = time.monotonic()
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    if code == 0:  # it had already finished: nothing to test this time
+        pytest.fail("prepare finished before its worker could be killed; grow the corpus")
+    assert "worker" in err.splitlines()[-1] and "again" in err.splitlines()[-1], err
+    assert not looks_complete(out)
+    run_to_end(args, env)
+    assert snapshot(out) == ref
+    record("dead prepare worker", error_after_s=round(took, 2), hangs=0)
+
+
+def test_preprocessing_never_ends_early_every_document_in_order(tmp_path, bpe_tokenizer):
+    """Units cut inside records, odd line endings, every format: the store holds exactly the
+    documents the readers yield, in order, none lost at a unit or shard boundary."""
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = [t[i:i + 3_000] for t in stdlib_texts(600_000) for i in range(0, len(t), 3_000)]
+    q = len(texts) // 4
+    write_jsonl(src / "a.jsonl", texts[:q])
+    (src / "b.txt").write_bytes("\r\n".join(t.replace("\n", " ") for t in texts[q:2 * q])
+                                .encode() + b"\n\n\n")
+    (src / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        "".join(json.dumps({"text": t}) + "\n" for t in texts[2 * q:3 * q]).encode()))
+    pq.write_table(pa.table({"text": texts[3 * q:]}), src / "d.parquet", row_group_size=3)
+    config = sources.SourceConfig(txt_mode="lines", unit_bytes=5_000)
+    docs = [d for d in sources.read_documents([str(src)], config) if isinstance(d, str)]
+    tok = load_tokenizer(bpe_tokenizer)
+    tokens, lengths = encode_documents(tok, docs)
+    out = tmp_path / "out"
+    subprocess.run(program("prepare", json.dumps({
+        "inputs": [str(src)], "out": str(out), "tokenizer": bpe_tokenizer, "workers": 2,
+        "txt_mode": "lines", "unit_bytes": 5_000, "shard_tokens": 7_000})), check=True,
+        env=child_env(tmp_path / "tmp"), timeout=120)
+    with TokenStore(out) as store:
+        assert len(store) == len(docs) and store.num_shards > 5
+        assert store.doc_lengths.tolist() == lengths.tolist()
+        assert store.tokens(0, store.num_tokens).tolist() == tokens.tolist()
+    record("prepare ends early", documents=len(docs), units=len(sources.plan_units(
+        sources.list_files([str(src)])[0], config)), lost=0)
