@@ -609,3 +609,14 @@ def test_reasons_are_the_contract():
     """prepare, the CLI and the manifest count skips by these names: only add, never rename."""
     assert REASONS == ("malformed_json", "missing_field", "non_string_field", "invalid_utf8", "empty_document",
                        "empty_file", "no_match", "unreadable", "binary_file")
+
+
+def test_paragraph_after_a_bom_only_first_line_is_kept_by_every_split(tmp_path):
+    # found by the fault suite's fuzzer: a unit starting inside the file looked back at a line
+    # holding only the byte-order mark, took it for text, and so owned no paragraph
+    path = tmp_path / "bom.txt"
+    path.write_bytes(b"\xef\xbb\xbf\n0")
+    for unit_bytes in (1, 2, 3, 4, 5, 1 << 20):
+        config = SourceConfig(txt_mode="paragraphs", unit_bytes=unit_bytes)
+        docs = [d for u in plan_units([str(path)], config) for d in read_unit(u, config)]
+        assert docs == ["0"], unit_bytes

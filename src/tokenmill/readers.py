@@ -246,6 +246,8 @@ def _prev_blank(f, pos: int) -> bool:
         size = min(_SNIFF, end)
         f.seek(end - size)
         rest = f.read(size).rstrip(_WS_BYTES)
+        if end == size and rest == _BOM:
+            return True  # the file's byte-order mark alone: no content (the readers drop it)
         if rest:
             return rest[-1] == 10  # reached the "\n" before it through whitespace only
         end -= size
