@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,torch,jax,grain,ray]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,fast,torch,jax,grain,ray]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,5 +1,8 @@
-"""Shared fixtures: small real-text corpora and helpers to compare stores byte for byte."""
+"""Shared fixtures and helpers: small real-text corpora, self-describing stores, comparing stores
+byte for byte, and taking, comparing and resuming batch streams (every test uses these, none
+keeps its own copy)."""
 
+import itertools
 import json
 import os
 import sysconfig
@@ -69,8 +72,68 @@ def write_positional_store(path: Path, lengths, *, shard_tokens: int = 1 << 30, 
     shards = [info for info, _ in w.add(tokens, lengths)]
     if (last := w.finish()) is not None:
         shards.append(last)
-    manifest = build_manifest(tokenizer={"kind": "positional", "offset": offset,
-                                         "vocab_size": 1 << 31}, dtype=np.int32, shards=shards,
+    # one "tokenizer" for every offset: positional stores may be mixed
+    manifest = build_manifest(tokenizer={"kind": "positional", "vocab_size": 1 << 31},
+                              dtype=np.int32, shards=shards,
                               settings={}, skipped={"total": 0})
     atomic_write_json(path / "manifest.json", manifest)
     return path
+
+
+def docs_of(path) -> list[list[int]]:
+    """Every document of the store at ``path``, as lists of token ids."""
+    from tokenmill.store import TokenStore
+    with TokenStore(path) as s:
+        return [s[i].tolist() for i in range(len(s))]
+
+
+# ---- batch streams ----------------------------------------------------------------------------
+
+def take(batches, n: int | None = None) -> list[dict]:
+    """The next ``n`` batches (all, if None) of an iterable, every array copied to numpy: a loader
+    may reuse its buffers once we let go of a batch (torch/jax arrays are copied too)."""
+    return [{k: _numpy_copy(v) for k, v in b.items()} for b in itertools.islice(batches, n)]
+
+
+def _numpy_copy(a):
+    import numpy as np
+    return np.array(a.numpy() if hasattr(a, "numpy") else a)  # torch: .numpy() (CPU) first
+
+
+def same(got: list[dict], want: list[dict]) -> bool:
+    """Equal lists of batches: the same keys and exactly equal arrays, batch by batch."""
+    import numpy as np
+    return len(got) == len(want) and all(
+        g.keys() == w.keys() and all(np.array_equal(np.asarray(g[k]), np.asarray(w[k])) for k in w)
+        for g, w in zip(got, want))
+
+
+def assert_resumes_exactly(make, steps: int) -> None:
+    """Resume at every step k from a JSON round trip of the state, in a fresh loader from
+    ``make()``: the tail equals the uninterrupted run's. Used for every stateful thing."""
+    with make() as ref_loader:
+        ref = take(ref_loader, steps)
+    for k in range(steps + 1):
+        with make() as a:
+            take(a, k)
+            state = json.loads(json.dumps(a.state_dict()))
+        with make() as b:
+            b.load_state_dict(state)
+            assert same(take(b, steps - k), ref[k:]), f"resume at step {k} diverged"
+
+
+def assert_worker_death_is_an_error(batches, workers, *, budget: int = 100_000):
+    """SIGKILL the worker processes ``workers`` (psutil); the iterator ``batches`` then raises a
+    RuntimeError saying a worker died — never a hang, never a quiet end — within 10 s."""
+    import signal
+    import time
+
+    import pytest
+    for w in workers:
+        w.send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="died") as e:
+        for _ in range(budget):
+            next(batches)
+    assert time.monotonic() - t0 < 10
+    return e.value

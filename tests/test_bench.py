@@ -7,6 +7,7 @@ import importlib.util
 import io
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -137,8 +138,26 @@ def test_bad_settings_and_too_small_a_store(store):
 
 def test_a_missing_peer_is_skipped_with_a_note(store, monkeypatch):
     monkeypatch.setitem(bench.REQUIRES, "nanogpt", "no_such_module_for_tokenmill")
-    r = bench._measure_or_why("nanogpt", {})
+    r = bench.measure_or_skip("nanogpt", {})
     assert r == {"skipped": "not installed (No module named 'no_such_module_for_tokenmill')"}
-    notes = bench._notes([{"name": "nanogpt", **r}], passes=10, step_ms=2)
+    notes = bench.report_notes([{"name": "nanogpt", **r}], passes=10, step_ms=2)
     assert "nanogpt: skipped, not installed (No module named" in notes[-1]
     assert "skipped" in bench.format_table([{"name": "nanogpt", **r}])
+
+
+def spec_for(store, **over):
+    return {"store": str(store), "seq_len": L, "batch_size": B, "seed": 0, "seconds": 0.3,
+            "steps": 10, "passes": 1, **over}
+
+
+def test_a_contender_that_overruns_is_stopped_and_reported(store):
+    t0 = time.monotonic()
+    r = bench.run_child("naive", spec_for(store, seconds=120.0), timeout=2.0)
+    assert time.monotonic() - t0 < 20  # 2 s, then close, SIGTERM, SIGKILL at the most
+    assert r["name"] == "naive" and "tokens_per_s" not in r
+    assert r["error"].startswith("child process failed: timed out after 2 s"), r
+
+
+def test_a_contender_that_raises_is_a_result_not_an_exception(store, tmp_path):
+    r = bench.run_child("naive", spec_for(tmp_path / "no-store"), timeout=60)
+    assert r["error"].startswith("StoreError: ") and "no-store" in r["error"], r

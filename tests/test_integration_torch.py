@@ -18,8 +18,8 @@ import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from conftest import write_positional_store
-from tokenmill.errors import ConfigError
+from conftest import same, take, write_positional_store
+from tokenmill.errors import ConfigError, StoreError
 from tokenmill.integrations.torch import TokenDataset, TorchBatches, to_torch
 from tokenmill.loader import Loader
 
@@ -40,17 +40,6 @@ def expected(loader, steps, start=0):
     """The loader's own batches for steps [start, start + steps), as numpy."""
     gb = loader.global_batch_size
     return [loader.batch_at(start + k * gb) for k in range(steps)]
-
-
-def same(got, want):
-    return len(got) == len(want) and all(
-        g.keys() == w.keys() and all(np.array_equal(np.asarray(g[k]), w[k]) for k in w)
-        for g, w in zip(got, want))
-
-
-def take(iterable, n):
-    """n batches as numpy copies."""
-    return [{k: t.numpy().copy() for k, t in b.items()} for _, b in zip(range(n), iterable)]
 
 
 # ---- a fake device: copies run late, so every missing wait or synchronize shows -------------
@@ -249,6 +238,36 @@ def test_bad_states_and_settings_are_refused(store, tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="cuda"):
             to_torch(loader, device="cuda")
+
+
+@pytest.mark.parametrize("consumed", [True, 1.0, 2**63 - 1, -4, "8", None])
+def test_a_dataset_refuses_what_a_loader_refuses_in_a_state(store, consumed):
+    loader = Loader(store, seq_len=L, batch_size=4, seed=2)
+    ds = TokenDataset(loader)
+    with pytest.raises(ConfigError, match="consumed_samples must be an integer"):
+        ds.load_state_dict({**loader.state_dict(), "consumed_samples": consumed})
+    with pytest.raises(ConfigError, match="consumed_samples must be an integer"):
+        loader.load_state_dict({**loader.state_dict(), "consumed_samples": consumed})
+    with pytest.raises(ConfigError, match="version"):
+        ds.load_state_dict({**loader.state_dict(), "version": True})
+
+
+def test_a_dataset_takes_numpy_integers_as_a_loader_does(store):
+    loader = Loader(store, seq_len=L, batch_size=4, seed=2)
+    ds = TokenDataset(loader)
+    ds.load_state_dict({**loader.state_dict(), "consumed_samples": np.int64(8)})
+    assert ds.state_dict()["consumed_samples"] == 8
+    assert same(take(ds, 2), expected(loader, 2, start=8))
+
+
+def test_a_dataset_outlives_the_loader_it_was_made_from(store):
+    loader = Loader(store, seq_len=L, batch_size=4, seed=3, epochs=1, num_workers=0)
+    want = expected(loader, 5)
+    ds = TokenDataset(loader)
+    loader.close()  # closes the stores the loader opened: the dataset opens its own
+    with pytest.raises(StoreError, match="closed"):
+        loader.plan.sources[0].store.tokens(0, 1)
+    assert same(take(ds, 5), want)
 
 
 # ---- two real ranks --------------------------------------------------------------------------

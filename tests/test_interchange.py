@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import store_bytes, write_jsonl, write_positional_store
+from conftest import docs_of, store_bytes, write_jsonl, write_positional_store
 from tokenmill import interchange
 from tokenmill.cli import main
 from tokenmill.errors import ConfigError, InputError, StoreError, TokenizerError
@@ -24,11 +24,6 @@ from tokenmill.store import TokenStore, verify_store
 
 HAS_MEGATRON = importlib.util.find_spec("megatron") is not None and \
     importlib.util.find_spec("megatron.core") is not None
-
-
-def docs_of(path) -> list[list[int]]:
-    with TokenStore(path) as s:
-        return [s[i].tolist() for i in range(len(s))]
 
 
 def write_megatron(prefix, sequences, doc_idx, *, dtype=np.uint16, code=None, modes=False) -> str:
@@ -423,3 +418,51 @@ def test_cli_import_then_export(tmp_path, capsys):
     assert main(["import-megatron", str(tmp_path / "nope"), "--out", str(tmp_path / "x"),
                  "--tokenizer", "bytes"]) == 2
     assert "tokenmill import-megatron: error: " in capsys.readouterr().err
+
+
+# ---- export checks what it reads (issue 12.10) and says why it cannot write (12.16) --------------
+
+EXPORT_SCRIPT = '''
+import sys
+from tokenmill.interchange import export
+print(export(sys.argv[1], out=sys.argv[2], format=sys.argv[3], progress=False))
+'''
+
+
+@pytest.mark.parametrize("ext", [".bin", ".idx"])
+@pytest.mark.parametrize("fmt", ["nanogpt", "jsonl"])
+def test_export_of_a_shard_changed_after_prepare_fails_naming_it(prepared, tmp_path, ext, fmt):
+    store = tmp_path / "store"
+    store.mkdir()
+    for f in prepared[0].iterdir():
+        (store / f.name).write_bytes(f.read_bytes())
+    victim = store / f"shard-00001{ext}"
+    data = victim.read_bytes()
+    if ext == ".bin":  # the same tokens, two of them swapped: same size, other bytes
+        data = data[2:4] + data[:2] + data[4:]
+    else:  # the last two document boundaries swapped: same size, the header intact
+        data = data[:-16] + data[-8:] + data[-16:-8]
+    victim.write_bytes(data)
+    script = tmp_path / "export_it.py"
+    script.write_text(EXPORT_SCRIPT)
+    out = tmp_path / "out" / ("train.bin" if fmt == "nanogpt" else "docs.jsonl")
+    r = subprocess.run([sys.executable, str(script), str(store), str(out), fmt],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "StoreError: " in r.stderr
+    assert f"{victim}: checksum mismatch" in r.stderr and "nothing was exported" in r.stderr
+    assert not out.exists() and os.listdir(out.parent) == []  # no partial file, no temporary
+    r = subprocess.run([sys.executable, "-m", "tokenmill", "export", str(store), "--format", fmt,
+                        "--out", str(out), "--quiet"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("tokenmill export: error: ") and str(victim) in r.stderr
+
+
+def test_export_to_a_folder_it_cannot_make_is_a_clear_error(prepared, tmp_path):
+    (tmp_path / "afile").write_text("mine\n")
+    with pytest.raises(ConfigError, match=r"afile/x\.bin: cannot write .*a part of its folder is "
+                                          r"a file, not a folder"):
+        export(prepared[0], out=tmp_path / "afile" / "x.bin", format="nanogpt", progress=False)
+    assert (tmp_path / "afile").read_text() == "mine\n"
+    info = export(prepared[0], out=tmp_path / "new" / "dir" / "x.bin", format="nanogpt",
+                  progress=False)  # a missing folder is made
+    assert info["bytes"] == 2 * info["tokens"] and os.listdir(tmp_path / "new" / "dir") == ["x.bin"]

@@ -159,13 +159,15 @@ def test_staged_units_are_reused_not_tokenized_again(tmp_path):
     unit = Unit(str(tmp_path / "c.jsonl"), 0, -1)
     job = Job(config=PrepareConfig(), out=str(tmp_path), staging=str(tmp_path), dtype="uint16",
               key="k", cwd="/")
-    u, lengths, skips, n = stage_unit(job, 0, unit)
-    assert (u, lengths.tolist(), n) == (0, [4, 3], 7)
-    assert [(o, s.reason) for o, s in skips] == [(1, "empty_document")]
+    st = stage_unit(job, 0, unit)
+    assert (st.index, st.lengths.tolist(), st.num_tokens) == (0, [4, 3], 7)
+    assert [(o, s.reason) for o, s in st.skips] == [(1, "empty_document")]
+    assert st.digest is not None  # the input's bytes, recorded for a resume to check
     # same key: read back without loading the tokenizer (this spec would not load)
     bogus = Job(**{**job.__dict__, "config": PrepareConfig(tokenizer="/nonexistent.json")})
     again = stage_unit(bogus, 0, unit)
-    assert again[0] == 0 and again[1].tolist() == [4, 3] and again[2] == skips
+    assert again.index == 0 and again.lengths.tolist() == [4, 3] and again.skips == st.skips
+    assert again.digest == st.digest
     # another key: the staged unit is not trusted
     with pytest.raises(Exception, match="nonexistent"):
         stage_unit(Job(**{**bogus.__dict__, "key": "other"}), 0, unit)

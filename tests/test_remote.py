@@ -26,12 +26,13 @@ import moto.server as moto_server
 
 import tokenmill  # noqa: E402
 from conftest import store_bytes, write_jsonl, write_positional_store  # noqa: E402
-from tokenmill import remote  # noqa: E402
+from tokenmill.io import list_sizes  # noqa: E402
 from tokenmill.errors import ConfigError, StoreError  # noqa: E402
 from tokenmill.prepare import prepare  # noqa: E402
-from tokenmill.remote import CacheFullError, ShardCache  # noqa: E402
 from tokenmill.sources import SourceConfig, read_documents  # noqa: E402
 from tokenmill.store import TokenStore, verify_store  # noqa: E402
+from tokenmill.store import cache, upload  # noqa: E402
+from tokenmill.store.cache import CacheFullError, ShardCache  # noqa: E402
 
 DOC = 500  # tokens per document of the positional stores
 BIN = 8 * DOC * 4  # 8 int32 documents per shard: 16,000 bytes
@@ -156,14 +157,15 @@ def test_prepare_to_s3_uploads_shards_manifest_last_and_resumes_after_sigkill(s3
     # shard 3's .bin is in the bucket but never committed, and there is no manifest
     script = textwrap.dedent(f"""
         import os, signal
-        from tokenmill import prepare, remote
-        real = remote.RemoteOut.upload_shard
+        from tokenmill import prepare
+        from tokenmill.store.upload import RemoteOut
+        real = RemoteOut.upload_shard
         def upload(self, staging, info):
             if info.name == "shard-00003":
                 self.fs.put_file(str(staging / (info.name + ".bin")), self._rpath(info.name + ".bin"))
                 os.kill(os.getpid(), signal.SIGKILL)
             real(self, staging, info)
-        remote.RemoteOut.upload_shard = upload
+        RemoteOut.upload_shard = upload
         prepare([{str(corpus)!r}], out={out!r}, **{opts!r})
     """)
     proc = subprocess.run([sys.executable, "-c", script], env=_subprocess_env())
@@ -174,23 +176,23 @@ def test_prepare_to_s3_uploads_shards_manifest_last_and_resumes_after_sigkill(s3
         TokenStore(out, cache_dir=tmp_path / "cache")
 
     uploads = []
-    real = remote.RemoteOut.upload_shard
+    real = upload.RemoteOut.upload_shard
 
     def counting(self, staging, info):
         uploads.append(info.name)
         # the manifest goes last: it is not there while any shard is being uploaded
-        assert "manifest.json" not in remote.list_sizes(self.url, None)
+        assert "manifest.json" not in list_sizes(self.url, None)
         real(self, staging, info)
 
-    remote.RemoteOut.upload_shard = counting
+    upload.RemoteOut.upload_shard = counting
     try:
         again = prepare([str(corpus)], out=out, **opts)
     finally:
-        remote.RemoteOut.upload_shard = real
+        upload.RemoteOut.upload_shard = real
     assert uploads[0] == "shard-00003", "the rerun did not resume after the committed shards"
     assert again == ref
     assert s3.objects("out/store") == store_bytes(tmp_path / "ref")  # byte-identical store
-    staging = remote.default_cache_dir() / "staging" / remote.url_key(out)
+    staging = cache.default_cache_dir() / "staging" / cache.url_key(out)
     assert not staging.exists()
 
     # finished: a rerun is a no-op, other settings are refused unless overwrite
@@ -223,11 +225,21 @@ def test_remote_store_reads_exactly_and_loader_batches_match_local(remote_store,
         assert loaders[0].fingerprint == loaders[1].fingerprint
 
 
-def test_loader_over_a_store_larger_than_the_cache_fails_at_start(remote_store, tmp_path):
+def test_a_store_larger_than_the_cache_is_read_through_it(remote_store, tmp_path):
     url, local = remote_store
-    st = TokenStore(url, cache_dir=tmp_path / "cache", cache_bytes=idx_total(local) + 2 * BIN)
-    with pytest.raises(CacheFullError, match="pinned by open stores"):
-        tokenmill.Loader(st, seq_len=100, batch_size=4, num_workers=0)  # maps every shard
+    limit = idx_total(local) + 2 * BIN  # room for two of the four shards
+    ref = TokenStore(local)
+    with TokenStore(url, cache_dir=tmp_path / "cache", cache_bytes=limit) as st:
+        rng = np.random.default_rng(0)
+        for s in rng.integers(0, st.num_tokens - 100, 200).tolist():  # all over, many times
+            assert np.array_equal(st.tokens(s, s + 100), np.arange(s, s + 100))
+            assert ShardCache(tmp_path / "cache", limit).usage() <= limit
+        loaders = [tokenmill.Loader(x, seq_len=100, batch_size=4, num_workers=0, seed=3)
+                   for x in (st, ref)]
+        for _, a, b in zip(range(30), *loaders):  # shards are mapped on demand, a few at a time
+            assert np.array_equal(a["inputs"], b["inputs"])
+        for loader in loaders:
+            loader.close()
 
 
 def test_credentials_from_storage_options_alone(remote_store, s3, tmp_path, monkeypatch):
@@ -333,9 +345,9 @@ def test_download_interrupted_midway_leaves_no_usable_file(remote_store, tmp_pat
     # 1. a process killed (SIGKILL) in the middle of the download
     script = textwrap.dedent(f"""
         import sys, time
-        from tokenmill import remote
-        remote._CHUNK = 4096
-        real = remote._open_remote
+        from tokenmill.store import cache
+        cache._CHUNK = 4096
+        real = cache._open_remote
         class Stalls:
             def __init__(self, f): self.f, self.n = f, 0
             def __enter__(self): return self
@@ -346,8 +358,8 @@ def test_download_interrupted_midway_leaves_no_usable_file(remote_store, tmp_pat
                     print("started", flush=True)
                     time.sleep(600)
                 return self.f.read(n)
-        remote._open_remote = lambda fs, p: Stalls(real(fs, p))
-        remote.ShardCache({str(cache_dir)!r}, 1 << 30).fetch(*{args!r})
+        cache._open_remote = lambda fs, p: Stalls(real(fs, p))
+        cache.ShardCache({str(cache_dir)!r}, 1 << 30).fetch(*{args!r})
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                             env=_subprocess_env())
@@ -365,8 +377,8 @@ def test_download_interrupted_midway_leaves_no_usable_file(remote_store, tmp_pat
 
     # 2. a stream that fails part-way: an error naming the URL, nothing left behind
     cache_dir2 = tmp_path / "cache2"
-    monkeypatch.setattr(remote, "_CHUNK", 4096)
-    real = remote._open_remote
+    monkeypatch.setattr(cache, "_CHUNK", 4096)
+    real = cache._open_remote
 
     class Breaks:
         def __init__(self, f):
@@ -384,11 +396,11 @@ def test_download_interrupted_midway_leaves_no_usable_file(remote_store, tmp_pat
                 raise ConnectionResetError("connection reset by peer")
             return self.f.read(n)
 
-    monkeypatch.setattr(remote, "_open_remote", lambda fs, p: Breaks(real(fs, p)))
+    monkeypatch.setattr(cache, "_open_remote", lambda fs, p: Breaks(real(fs, p)))
     with pytest.raises(StoreError, match="shard-00002.bin: download failed .ConnectionResetError"):
         ShardCache(cache_dir2, 1 << 30).fetch(*args)
     assert [f for f in cache_files(cache_dir2) if not f.endswith(".lock")] == []
-    monkeypatch.setattr(remote, "_open_remote", real)
+    monkeypatch.setattr(cache, "_open_remote", real)
     assert Path(ShardCache(cache_dir2, 1 << 30).fetch(*args)).stat().st_size == BIN
 
 
@@ -445,3 +457,15 @@ def test_two_processes_share_one_cache_directory(remote_store, tmp_path):
     for e in cache.entries():  # whatever is left is complete and verified
         assert not e.pinned and e.name.split("-")[0] == xxhash.xxh3_64_hexdigest(
             (cache_dir / "shards" / e.name).read_bytes())
+
+
+def test_inspect_and_verify_a_remote_store_show_its_url_intact(remote_store):
+    url, _ = remote_store
+    for args in (["inspect", url], ["inspect", url + "/", "--json"], ["verify", url]):
+        r = subprocess.run([str(Path(sys.executable).with_name("tokenmill")), *args],
+                           capture_output=True, text=True, timeout=300, env=_subprocess_env())
+        assert r.returncode == 0, r.stderr
+        assert url in r.stdout and url.replace("s3://", "s3:/") not in r.stdout  # a Path() of it
+    first = subprocess.run([str(Path(sys.executable).with_name("tokenmill")), "inspect", url],
+                           capture_output=True, text=True, timeout=300, env=_subprocess_env())
+    assert first.stdout.splitlines()[0] == f"store        {url}"  # not "s3:/bucket/store"

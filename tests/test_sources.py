@@ -1,9 +1,12 @@
 """sources: every format, listing, unit planning (units read one by one == the whole file), bad input."""
 
 import gzip
+import io
 import json
 import os
 import pickle
+import random
+import tracemalloc
 import uuid
 
 import fsspec
@@ -14,7 +17,8 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenmill import readers, sources
+import tokenmill.io
+from tokenmill import decompress, readers, sources
 from tokenmill.errors import ConfigError, InputError
 from tokenmill.sources import (REASONS, SourceConfig, Skip, Unit, format_of, list_files, plan_units,
                                read_documents, read_unit)
@@ -125,14 +129,31 @@ def test_jsonl_text_key(tmp_path):
     assert events(p, text_key="content") == TEXTS
 
 
-@pytest.mark.parametrize("suffix,compress", [
-    ("jsonl.gz", gzip.compress),
-    ("jsonl.zst", lambda b: zstandard.ZstdCompressor().compress(b)),
-    ("jsonl.zst", lambda b: b"".join(zstandard.ZstdCompressor().compress(b[i:i + 50])  # many frames
-                                     for i in range(0, len(b), 50)))])
-def test_compressed_jsonl_is_one_unit(tmp_path, suffix, compress):
-    p = write(tmp_path / f"a.{suffix}", compress(jsonl(TEXTS)))
-    assert plan_units([p], SourceConfig(unit_bytes=1)) == [Unit(p, 0, -1)]
+COMPRESSORS = {"gz": lambda b: gzip.compress(b, mtime=0),
+               "zst": lambda b: zstandard.ZstdCompressor().compress(b),
+               "zst-frames": lambda b: b"".join(zstandard.ZstdCompressor().compress(b[i:i + 50])
+                                                for i in range(0, len(b), 50))}  # many frames
+
+
+def write_compressed(path, data: bytes, how: str) -> str:
+    return write(path.with_name(f"{path.name}.{how[:3]}"), COMPRESSORS[how](data))
+
+
+@pytest.mark.parametrize("how", list(COMPRESSORS))
+def test_compressed_jsonl_units_are_decompressed_ranges_at_line_ends(tmp_path, how):
+    data = jsonl(TEXTS)
+    p = write_compressed(tmp_path / "a.jsonl", data, how)
+    ends = [i + 1 for i, b in enumerate(data) if b == 10]
+    assert plan_units([p], SourceConfig(unit_bytes=1)) == [
+        Unit(p, a, b, n) for n, (a, b) in enumerate(zip([0] + ends, ends))]  # a line each
+    assert plan_units([p], SourceConfig()) == [Unit(p, 0, len(data), 0)]
+    for unit_bytes in (1, 40, 100, 1000):
+        assert by_units([p], unit_bytes=unit_bytes) == TEXTS
+        config = SourceConfig(unit_bytes=unit_bytes)
+        units = plan_units([p], config)
+        payloads = list(sources.unit_payloads(units, 0, config))
+        assert b"".join(payloads) == data and all(map(sources.needs_payload, units))
+        assert [d for u, b in zip(units, payloads) for d in read_unit(u, config, b)] == TEXTS
     assert events(p) == TEXTS
 
 
@@ -555,7 +576,7 @@ def test_permission_denied_is_unreadable(tmp_path, monkeypatch):
 
     def deny(*args, **kwargs):
         raise denied
-    monkeypatch.setattr(readers, "open", deny, raising=False)  # root may read any file: simulate
+    monkeypatch.setattr(tokenmill.io, "open", deny, raising=False)  # root may read any file: simulate
     assert events(p, on_error="skip") == [Skip(p, "file", "unreadable", f"PermissionError: {denied}")]
     with pytest.raises(InputError, match=f"{p}: cannot read file .PermissionError.*; "
                                          "check that it exists and is readable, or pass --on-error skip"):
@@ -620,3 +641,207 @@ def test_paragraph_after_a_bom_only_first_line_is_kept_by_every_split(tmp_path):
         config = SourceConfig(txt_mode="paragraphs", unit_bytes=unit_bytes)
         docs = [d for u in plan_units([str(path)], config) for d in read_unit(u, config)]
         assert docs == ["0"], unit_bytes
+
+
+# ---- compressed streams: units of decompressed text ----------------------------------------------
+
+@pytest.mark.parametrize("blocks,unit_bytes,want", [
+    ([b"ab\ncd\n", b"e\nf"], 4, [(6, 2), (9, 3)]),
+    ([b"ab\ncd\n", b"e\nf"], 3, [(3, 1), (6, 2), (9, 3)]),  # a "\n" at the unit_bytes-th byte cuts there
+    ([b"abcdef", b"gh\ni\n"], 2, [(9, 1), (11, 2)]),  # a line longer than a block and a unit
+    ([b"a\n"], 5, [(2, 1)]), ([], 5, []), ([b"", b"a"], 1, [(1, 0)])])
+def test_cuts(blocks, unit_bytes, want):
+    assert list(readers.cuts(blocks, unit_bytes)) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=60).map(lambda b: b.replace(b"x", b"\n")), unit_bytes=st.integers(1, 70),
+       splits=st.lists(st.integers(0, 60), max_size=5))
+def test_cuts_are_line_ends_past_unit_bytes_wherever_the_blocks_split(data, unit_bytes, splits):
+    bounds = sorted({0, len(data), *(min(s, len(data)) for s in splits)})
+    got = list(readers.cuts([data[a:b] for a, b in zip(bounds, bounds[1:])], unit_bytes))
+    assert got == list(readers.cuts([data], unit_bytes))
+    start = 0
+    for i, (stop, lines) in enumerate(got):
+        assert lines == data[:stop].count(b"\n")
+        if i < len(got) - 1 or stop < len(data) or data.endswith(b"\n"):
+            assert data[stop - 1] == 10 or stop == len(data)
+        # the unit holds at least unit_bytes, and its last line is the one crossing unit_bytes
+        assert stop - start >= unit_bytes or stop == len(data)
+        assert b"\n" not in data[start + unit_bytes - 1: stop - 1]
+        start = stop
+    assert start == len(data)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(records=st.lists(RECORDS, max_size=12), eols=st.lists(EOLS, min_size=12, max_size=12),
+       trailing=st.booleans(), how=st.sampled_from(list(COMPRESSORS)), data=st.data())
+def test_compressed_units_read_alone_or_with_payloads_give_the_whole_stream(
+        tmp_path, monkeypatch, records, eols, trailing, how, data):
+    monkeypatch.setattr(readers, "_CHUNK", data.draw(st.sampled_from([2, 3, 5, 64, 1 << 20])))
+    raw = join_lines([r for _, r in records], eols, trailing)
+    p = write_compressed(tmp_path / "a.jsonl", raw, how)
+    config = SourceConfig(on_error="skip", unit_bytes=data.draw(st.integers(1, len(raw) + 2)))
+    whole = list(read_unit(Unit(p, 0, -1), config))
+    units = plan_units([p], config)
+    alone = [d for u in units for d in read_unit(u, config)]  # each decompresses from 0 itself
+    first = data.draw(st.integers(0, len(units)))
+    payloads = list(sources.unit_payloads(units, first, config))  # a resumed run: from unit `first`
+    assert len(payloads) == len(units) - first
+    shipped = [d for u, b in zip(units[first:], payloads) for d in read_unit(u, config, b)]
+    assert alone == whole and shipped == [d for u in units[first:] for d in read_unit(u, config)]
+    if raw:
+        assert all(u.stop - u.start == len(b) for u, b in zip(units[first:], payloads))
+
+
+def test_compressed_errors_name_the_file_and_line_in_any_unit(tmp_path):
+    data = jsonl([f"g{i}" for i in range(200)]) + b'{"text": oops}\n' + jsonl(TEXTS)
+    p = write_compressed(tmp_path / "a.jsonl", data, "zst")
+    config = SourceConfig(unit_bytes=100)
+    units = plan_units([p], config)
+    assert len(units) > 10 and units[-1].line > 150
+    with pytest.raises(InputError, match=r"a\.jsonl\.zst:201: malformed JSON") as e:
+        for u, b in zip(units, sources.unit_payloads(units, 0, config)):
+            list(read_unit(u, config, b))
+    assert e.value.where == "line 201"
+    assert Skip(p, "line 201", "malformed_json", "Expecting value: column 10") in events(
+        p, unit_bytes=100, on_error="skip")
+
+
+@pytest.mark.parametrize("how", ["gz", "zst"])
+def test_a_file_changed_after_planning_is_reported_by_its_units(tmp_path, how):
+    p = write_compressed(tmp_path / "a.jsonl", jsonl(TEXTS), how)
+    config = SourceConfig(on_error="skip", unit_bytes=60)
+    units = plan_units([p], config)
+    write_compressed(tmp_path / "a.jsonl", jsonl(TEXTS[:3]), how)  # shorter now
+    payloads = list(sources.unit_payloads(units, 0, config))
+    assert payloads[0] is not None and payloads[-1] is None  # the parent gives up; the unit says why
+    got = [d for u, b in zip(units, payloads) for d in read_unit(u, config, b)]
+    assert got[:3] == TEXTS[:3] and shape(got[3:])[-1] == ("file", "unreadable")
+    assert "did the file change since it was planned?" in got[-1].detail
+
+
+def test_damaged_stream_keeps_the_units_planned_before_the_damage(tmp_path):
+    rng = random.Random(0)  # text that does not repeat: the cut falls many blocks into the stream
+    data = jsonl([rng.randbytes(rng.randrange(10, 300)).hex() for _ in range(10_000)])
+    blob = zstandard.ZstdCompressor().compress(data)
+    p = write(tmp_path / "a.jsonl.zst", blob[: len(blob) * 3 // 4])
+    config = SourceConfig(on_error="skip", unit_bytes=20_000)
+    units = plan_units([p], config)
+    assert len(units) > 5 and units[-1].stop == -1 and units[-1].start > 0
+    with pytest.raises(InputError, match=r"a\.jsonl\.zst: cannot read file \(EOFError: zstd stream ends inside"):
+        plan_units([p], SourceConfig(unit_bytes=20_000))
+    got = [d for u, b in zip(units, sources.unit_payloads(units, 0, config)) for d in read_unit(u, config, b)]
+    assert shape(got[-1:]) == [("file", "unreadable")]
+    assert got[:-1] == [json.loads(line)["text"] for line in data.splitlines()[:len(got) - 1]]
+    assert len(got) > len(data.splitlines()) // 2
+
+
+@pytest.mark.parametrize("data,reason", [(b"", "empty_file"), (b'{"text": "a"}\n\x00\n' * 3, "binary_file")])
+def test_empty_or_binary_stream_is_one_unit_reported_once(tmp_path, data, reason):
+    p = write_compressed(tmp_path / "a.jsonl", data, "gz")
+    assert plan_units([p], SourceConfig(unit_bytes=1)) == [Unit(p, 0, -1, 0)]
+    assert shape(events(p, unit_bytes=1, on_error="skip")) == [("file", reason)]
+
+
+def test_payload_for_a_seekable_unit_is_refused(tmp_path):
+    p = write(tmp_path / "a.jsonl", jsonl(TEXTS))
+    assert not sources.needs_payload(Unit(p, 0, 10)) and not sources.needs_payload(Unit(p + ".gz", 0, -1))
+    with pytest.raises(TypeError, match="only for a compressed stream"):
+        list(read_unit(Unit(p, 0, -1), SourceConfig(), b"x"))
+
+
+# ---- long documents --------------------------------------------------------------------------
+
+def test_a_huge_txt_read_whole_warns_once_naming_file_and_size(tmp_path):
+    big = tmp_path / "book.txt"
+    with open(big, "wb") as f:
+        f.truncate(65 << 20)  # sparse: planning only looks at the size
+    small = write(tmp_path / "small.txt", "x")
+    with pytest.warns(UserWarning, match=r"book\.txt: 68,157,440 bytes of text become ONE document "
+                                         r"\(txt_mode='file'\).*--txt-mode") as caught:
+        plan_units([str(big), small], SourceConfig())
+        plan_units([str(big)], SourceConfig())
+    assert len(caught) == 1
+    assert len(plan_units([str(big)], SourceConfig(txt_mode="lines", unit_bytes=64 << 20))) == 2
+
+
+# ---- what a walk passes over -----------------------------------------------------------------
+
+def test_a_walk_says_what_it_ignored_by_extension(tree, hf_dataset, tmp_path):
+    d = tree / "d"
+    for name in ("README.md", "data.csv", "data.json", "sub/x.jsonl.bz2", "Makefile", "loose.arrow"):
+        write(d / name, "x")
+    listing = sources.list_inputs(str(d))
+    assert listing.files == list_files(str(d))[0] == [str(d / n) for n in ("b.jsonl", "c.jsonl.gz", "sub/a.txt")]
+    assert listing.ignored.counts == ((".md", 2), ("(no extension)", 1), (".arrow", 1), (".bz2", 1),
+                                      (".csv", 1), (".json", 1))
+    assert str(listing.ignored).startswith("ignored 7 files: 2 .md, 1 (no extension), 1 .arrow, 1 .bz2, ")
+    assert listing.ignored.examples == tuple(sorted(str(d / n) for n in ("Makefile", "README.md", "data.csv")))
+    assert sources.list_inputs(f"file://{d}").ignored.counts == listing.ignored.counts
+    glob = sources.list_inputs(f"{d}/*.json*")  # the glob matched data.json: passed over too
+    assert str(glob.ignored) == f"ignored 1 file: 1 .json (e.g. {d}/data.json)"
+    assert not sources.list_inputs(str(hf_dataset)).ignored  # a dataset's own files are not "ignored"
+    assert not sources.list_inputs(str(d / "b.jsonl")).ignored and str(sources.Ignored()) == "ignored 0 files"
+
+
+def test_nothing_readable_in_a_folder_says_what_was_there(tmp_path):
+    write(tmp_path / "README.md", "x")
+    write(tmp_path / "data.csv", "x")
+    with pytest.raises(InputError, match=r"no file matched \(no supported file inside; found only "
+                                         r"1 \.csv, 1 \.md\); check the path"):
+        list_files(str(tmp_path))
+    with pytest.raises(InputError, match=r"no input file matched: .*; ignored 2 files: 1 \.csv, 1 \.md"):
+        list_files(str(tmp_path), on_error="skip")
+
+
+def test_memory_url_walk_counts_ignored(memfs):
+    fs, root = memfs
+    fs.pipe(f"{root}/a.jsonl", jsonl(["a"]))
+    fs.pipe(f"{root}/n/notes.md", b"x")
+    listing = sources.list_inputs(f"memory://{root}")
+    assert listing.files == [f"memory://{root}/a.jsonl"]
+    assert str(listing.ignored) == f"ignored 1 file: 1 .md (e.g. memory://{root}/n/notes.md)"
+
+
+# ---- zstd: block by block ----------------------------------------------------------------------
+
+def zstd_read(blob: bytes) -> bytes:
+    with decompress._ZstdStream(io.BytesIO(blob)) as raw, io.BufferedReader(raw) as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("kw", [{}, {"write_checksum": True}, {"write_content_size": False},
+                                {"level": 19, "write_checksum": True}, {"write_dict_id": True}])
+def test_zstd_frames_of_every_header_shape_and_skippable_frames(kw):
+    parts = [jsonl(TEXTS[:6]), b"", jsonl(TEXTS[6:]) * 50]
+    frames = [zstandard.ZstdCompressor(**kw).compress(p) for p in parts]
+    skippable = (0x184D2A53).to_bytes(4, "little") + (5).to_bytes(4, "little") + b"12345"
+    blob = frames[0] + skippable + frames[1] + frames[2]
+    assert zstd_read(blob) == b"".join(parts)
+    ends = {len(frames[0]), len(frames[0]) + len(skippable), len(frames[0]) + len(skippable) + len(frames[1]),
+            len(blob)}
+    for cut in range(len(blob)):  # cut anywhere: the frames before, or an error, never less silently
+        try:
+            got = zstd_read(blob[:cut])
+        except (EOFError, zstandard.ZstdError):
+            assert cut not in ends and cut > 0
+        else:
+            assert cut in ends | {0} and b"".join(parts).startswith(got)
+    with pytest.raises(ValueError, match="not a zstd frame"):
+        zstd_read(blob + b"garbage!")
+
+
+def test_zstd_output_stays_small_however_compressible(tmp_path):
+    """256 MiB of one byte is ~8 KB of zstd: a decompressor fed 64 KiB at a time would hand it
+    all back at once; block by block, no piece is over 128 KiB."""
+    blob = zstandard.ZstdCompressor(level=1).compress(b'{"text": "' + b"x" * (256 << 20) + b'"}\n')
+    assert len(blob) < 100_000
+    p = write(tmp_path / "run.jsonl.zst", blob)
+    tracemalloc.start()
+    try:
+        units = plan_units([p], SourceConfig(unit_bytes=1 << 20))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert units == [Unit(p, 0, (256 << 20) + 13, 0)] and peak < 8 << 20

@@ -1,25 +1,29 @@
 """Streaming mode: batches equal a reference built from the documents, workers, ranks, resume in
 fresh processes (also after a crash), the cache store equals prepare's, errors and lifetime."""
 
+import fcntl
 import gc
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import stdlib_texts, store_bytes, write_jsonl
+from conftest import assert_resumes_exactly, stdlib_texts, store_bytes, take, write_jsonl
 from tokenmill import Loader, Meter, prepare, verify_store
-from tokenmill.errors import ConfigError, InputError
+from tokenmill.errors import ConfigError, InputError, StaleIterator
 from tokenmill.pack import concat_offset
 from tokenmill.sampler import hash_ints
-from tokenmill.stream import (DELAY_TAG, PROGRESS_FILE, emission_order, emission_time,
-                              emitted_before)
+from tokenmill.store.writer import LOCK, PROGRESS
+from tokenmill.streaming import DELAY_TAG, emission_order, emission_time, emitted_before
 
 L, B, S = 32, 4, 24
 OPTS = dict(unit_bytes=3000, shard_tokens=20_000)  # many units, several shards
@@ -84,10 +88,6 @@ class Reference:
                 rows.append(np.append(b["inputs"][0], b["targets"][0][-1]))
         rows = np.stack(rows)
         return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
-
-
-def take(loader, n):
-    return [{k: v.copy() for k, v in b.items()} for _, b in zip(range(n), loader)]
 
 
 def assert_batches(got, ref, first_step=0, rank=0, store=None):
@@ -272,9 +272,9 @@ def test_resume_is_exact_in_a_fresh_process(corpus, tmp_path):
                          root=str(root), lock=""))
     for m in (1, end // 2, end - 6):  # another process writes the cache: replay from resume_from
         other = tmp_path / f"other{m}"
-        other.mkdir()
+        (other / store.name).mkdir(parents=True)
         jobs.append(dict(state=states[m], steps=4, cache=str(other), locked=True, root=str(root),
-                         lock=str(other / (store.name + ".lock"))))
+                         lock=str(other / store.name / LOCK)))
     for m in (37, end - 6):  # the complete cache: epoch 0 read back from the store
         jobs.append(dict(state=states[m], steps=4, cache=str(cache), locked=False, root=str(root),
                          lock=""))
@@ -284,6 +284,11 @@ def test_resume_is_exact_in_a_fresh_process(corpus, tmp_path):
         for j, rows in enumerate(got):
             want = ref.batch(step + j, store=store)["inputs"]
             assert np.array_equal(np.array(rows), want), f"resume at {step} ({job['cache']}), +{j}"
+
+
+def test_resume_at_every_step_equals_the_uninterrupted_stream(corpus, tmp_path):
+    # one cache that grows as the loaders run: each also resumes the writing of the one before
+    assert_resumes_exactly(lambda: make(corpus, tmp_path / "c", num_workers=0), steps=12)
 
 
 def test_a_crashed_pass_resumes_its_batches_and_its_cache(corpus, tmp_path):
@@ -306,8 +311,7 @@ def test_a_crashed_pass_resumes_its_batches_and_its_cache(corpus, tmp_path):
     """)
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == -signal.SIGKILL
     store = next(p for p in cache.iterdir() if p.is_dir())
-    progress = json.loads((store / PROGRESS_FILE).read_text())
-    assert len(progress["records"]) >= 2  # shards committed before the crash
+    assert len(list((store / PROGRESS).glob("shard-*.json"))) >= 2  # committed before the crash
     with make(corpus, cache, num_workers=1, **{"shard_tokens": 4000}) as ld:
         ld.load_state_dict(json.load(open(state_file)))
         got = take(ld, ref.n // B - 251 + 2)
@@ -390,3 +394,191 @@ def test_the_meter_sees_the_tokenization_stage(corpus, tmp_path):
         s = meter.summary()
     assert set(s["stage_s"]) == {"tokenization", "write", "assemble"}
     assert s["stage_s"]["tokenization"] > 0
+
+
+# ---- a script as users write it, and states that contradict themselves (issue 12: 15, 7) --------
+
+SCRIPT = """\
+import json, sys
+import tokenmill
+
+loader = tokenmill.Loader.from_text([{root!r}], tokenizer="bytes", seq_len={L}, batch_size={B},
+                                    cache_dir={cache!r}, num_workers=2, shuffle_buffer={S},
+                                    unit_bytes={unit_bytes}, shard_tokens={shard_tokens})
+batches = []
+for step, batch in enumerate(loader):
+    batches.append(batch["inputs"].tolist())
+    if step == 5:
+        break
+loader.close()
+print(json.dumps(batches))
+"""
+
+
+def run_script(path, *args):
+    """Run a script file the way a user does (``python script.py``), in a fresh process."""
+    return subprocess.run([sys.executable, str(path), *map(str, args)], capture_output=True,
+                          text=True, timeout=120, cwd=path.parent)
+
+
+def test_a_script_without_a_main_guard_streams_with_worker_processes(corpus, tmp_path):
+    root, docs = corpus
+    script = tmp_path / "example.py"  # no `if __name__ == "__main__":`, as docs/streaming.md
+    script.write_text(SCRIPT.format(root=str(root), cache=str(tmp_path / "cache"), L=L, B=B, S=S,
+                                    **OPTS))
+    res = run_script(script)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout)
+    ref = Reference(docs)
+    assert len(got) == 6
+    for step, rows in enumerate(got):
+        assert np.array_equal(np.array(rows), ref.batch(step)["inputs"]), f"step {step}"
+
+
+RESUME_SCRIPT = """\
+import json, sys
+from tokenmill import Loader
+from tokenmill.errors import ConfigError
+
+root, cache, state_file = sys.argv[1:4]
+ld = Loader.from_text([root], seq_len={L}, batch_size={B}, cache_dir=cache, seed=0, rank=0,
+                      world_size=1, num_workers=1, shuffle_buffer={S}, unit_bytes={unit_bytes},
+                      shard_tokens={shard_tokens})
+try:
+    ld.load_state_dict(json.load(open(state_file)))
+except ConfigError as e:
+    print(json.dumps({{"refused": str(e)}}))
+    sys.exit(3)
+print(json.dumps({{"steps": [b["inputs"].tolist() for _, b in zip(range(4), ld)]}}))
+ld.close()
+"""
+
+
+def test_a_state_whose_resume_from_contradicts_itself_is_refused(corpus, tmp_path):
+    root, docs = corpus
+    ref = Reference(docs)
+    with make(corpus, tmp_path / "cache") as ld:
+        take(ld, 80)
+        state = ld.state_dict()
+    hint = state["resume_from"]
+    assert hint is not None and hint["unit"] > 2 and set(hint) == {"unit", "doc", "token", "check"}
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME_SCRIPT.format(L=L, B=B, S=S, **OPTS))
+    edits = {  # the token no longer where that document begins: every window would shift
+        "token": lambda r: r.update(token=0),
+        "unit": lambda r: r.update(unit=hint["unit"] - 2),
+        "check": lambda r: r.update(check="0" * 16),
+        # no check (a state of an earlier version), even with a wrong token: slower, not different
+        "unchecked": lambda r: r.pop("check"),
+        "unchecked-wrong": lambda r: (r.pop("check"), r.update(token=0)),
+        "untouched": lambda r: None,  # resumes exactly from its hint
+    }
+    runs, locks = {}, []
+    for name, edit in edits.items():  # each in a fresh process, all at once
+        other = tmp_path / f"other-{name}"  # its cache: another process holds the writer's lock,
+        (other / ld.store_path.name).mkdir(parents=True)  # so reading starts from resume_from
+        locks.append(os.open(other / ld.store_path.name / LOCK, os.O_RDWR | os.O_CREAT))
+        fcntl.flock(locks[-1], fcntl.LOCK_EX)
+        bad = json.loads(json.dumps(state))
+        edit(bad["resume_from"])
+        (tmp_path / f"{name}.json").write_text(json.dumps(bad))
+        runs[name] = subprocess.Popen([sys.executable, str(script), root, other,
+                                       tmp_path / f"{name}.json"], cwd=tmp_path, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out = {name: (*p.communicate(timeout=120), p.returncode) for name, p in runs.items()}
+    finally:
+        for fd in locks:
+            os.close(fd)
+    for name, (stdout, stderr, code) in out.items():
+        if name in ("token", "unit", "check"):
+            assert code == 3, (name, stdout, stderr[-2000:])
+            assert "resume_from" in json.loads(stdout)["refused"]
+            continue
+        assert code == 0, (name, stderr[-3000:])
+        for j, rows in enumerate(json.loads(stdout)["steps"]):
+            assert np.array_equal(np.array(rows), ref.batch(80 + j)["inputs"]), (name, j)
+
+
+def test_a_state_whose_pass_samples_contradicts_the_store_is_refused(corpus, tmp_path):
+    _, docs = corpus
+    ref = Reference(docs)
+    with make(corpus, tmp_path / "cache") as ld:
+        take(ld, ref.n // B + 2)  # past the pass: the cache store is complete
+        state = ld.state_dict()
+    assert state["pass_samples"] == ref.n
+    with make(corpus, tmp_path / "cache") as ld:
+        for n in (ref.n - 1, ref.n + B):
+            with pytest.raises(ConfigError, match="pass_samples"):
+                ld.load_state_dict({**state, "pass_samples": n})
+        for bad in ({"consumed_samples": True}, {"consumed_samples": 1.0},
+                    {"consumed_samples": 2 ** 63 - 1}, {"resume_from": {"unit": -1}}):
+            with pytest.raises(ConfigError, match="|".join(bad)):
+                ld.load_state_dict({**state, **bad})
+        ld.load_state_dict({**state, "consumed_samples": np.int64(state["consumed_samples"])})
+        assert_batches(take(ld, 2), ref, first_step=ref.n // B + 2, store=ld.store_path)
+
+
+def test_an_earlier_iterator_raises_instead_of_ending_quietly(corpus, tmp_path):
+    _, docs = corpus
+    ref = Reference(docs)
+    with make(corpus, tmp_path / "c") as ld:
+        first = iter(ld)
+        got = take(first, 3)
+        second = iter(ld)  # a peek inside the loop: the batches continue here, none is lost
+        got += take(second, 2)
+        with pytest.raises(StaleIterator, match="iterated again"):
+            next(first)
+        assert_batches(got, ref)
+        state = ld.state_dict()
+        ld.load_state_dict(state)
+        with pytest.raises(StaleIterator, match="load_state_dict"):
+            next(second)
+        third = iter(ld)
+        assert_batches(take(third, 1), ref, first_step=5)
+    with pytest.raises(StaleIterator, match="closed"):
+        next(third)
+    with pytest.raises(StaleIterator, match="closed"):
+        iter(ld)
+
+
+def test_the_docs_example_runs_as_a_script(tmp_path):
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "streaming.md").read_text()
+    code = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
+    assert "__main__" not in code  # the point: a plain script, as a user saves it
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    res = run_script(script)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    consumed, stages = res.stdout.split(" ", 1)
+    assert consumed == "2400" and "'tokenization'" in stages, res.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "data", "example.py"]
+
+
+def test_compressed_inputs_stream_in_units_and_resume_mid_file(corpus, tmp_path):
+    import gzip
+    import zstandard
+    _, docs = corpus
+    root = tmp_path / "zipped"
+    root.mkdir()
+    half = len(docs) // 2
+    lines = [(json.dumps({"text": d}) + "\n").encode() for d in docs]
+    (root / "a.jsonl.gz").write_bytes(gzip.compress(b"".join(lines[:half])))
+    (root / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b"".join(lines[half:])))
+    ref = Reference(docs)
+    with make((root, None), tmp_path / "c1", num_workers=1) as ld:
+        got = take(ld, 120)
+        state = ld.state_dict()
+    assert_batches(got, ref)
+    # two files, cut into units of decompressed text: the resume starts inside a compressed stream
+    assert state["resume_from"]["unit"] > 2
+    with make((root, None), tmp_path / "c2", num_workers=0) as ld:
+        lock = ld.store_path / LOCK  # another process writes this cache: replay from resume_from
+        ld.store_path.mkdir(parents=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            ld.load_state_dict(state)
+            assert_batches(take(ld, 5), ref, first_step=120)
+        finally:
+            os.close(fd)

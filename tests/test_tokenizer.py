@@ -20,7 +20,7 @@ from tokenizers import pre_tokenizers, trainers  # noqa: E402
 
 from tokenmill import tokenizer as tkz  # noqa: E402
 from tokenmill.errors import ConfigError, TokenizerError  # noqa: E402
-from tokenmill.fastbpe import _bytes_to_unicode  # noqa: E402
+from tokenmill.fastbpe import _bytes_to_unicode, scrub  # noqa: E402
 from tokenmill.tokenizer import (  # noqa: E402
     encode_documents, load_tokenizer, token_dtype, train_bpe,
 )
@@ -116,7 +116,7 @@ def test_lone_surrogates_do_not_crash(gpt2_json):
         list("a\ufffdb".encode())
     fast, slow = load_tokenizer(gpt2_json), load_tokenizer(gpt2_json, fast=False)
     texts = ["a\ud800b", "ok", "\ud83d\ude00 pair"]
-    assert ids_of(fast, texts) == ids_of(slow, texts) == ids_of(slow, [tkz._scrub(t) for t in texts])
+    assert ids_of(fast, texts) == ids_of(slow, texts) == ids_of(slow, [scrub(t) for t in texts])
 
 
 def test_bytes_rejects_eos_bos():
@@ -178,14 +178,15 @@ def test_tiktoken_file_matches_fast_path(tmp_path):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     hf.save(str(tmp_path / "tokenizer.json"))
     fast = load_tokenizer(str(tmp_path / "tokenizer.json"))
-    assert fast.engine == "tiktoken"
+    twin = load_tokenizer(str(tmp_path / "tokenizer.json"), engine="tiktoken")
+    assert (fast.engine, twin.engine) == ("fastokens", "tiktoken")
     tok = load_tokenizer(str(write_tiktoken(str(tmp_path / "tokenizer.json"),
                                             tmp_path / "mini.tiktoken")))
     # ranks 1..599 (id 0 is <|endoftext|> in the HF file); EOS comes after the last rank
     assert (tok.kind, tok.engine, tok.vocab_size, tok.eos_id, tok.bos_id) == \
         ("tiktoken", "tiktoken", 601, 600, None)
     texts = training_texts() + FRAGMENTS[1:-3]  # no special-token strings: tiktoken keeps them text
-    assert ids_of(tok, texts) == ids_of(fast, texts)
+    assert ids_of(tok, texts) == ids_of(fast, texts) == ids_of(twin, texts)
     assert tok.decode(tok.encode_batch([texts[0]])[0]) == texts[0]
     assert tok.encode_batch(["<|endoftext|>"])[0].tolist() != [tok.eos_id]  # text stays text
     assert tok.identity()["name"] == "mini.tiktoken" and tok.identity()["file_xxh3"]
@@ -242,10 +243,12 @@ def test_identity_follows_the_file(gpt2_json, tmp_path):
     assert b["file_xxh3"] != a["file_xxh3"] and {**b, "file_xxh3": a["file_xxh3"]} == a
 
 
-def test_pickle_reloads(gpt2_json):
-    tok = load_tokenizer(gpt2_json)
+@pytest.mark.parametrize("engine", ["auto", "tiktoken", "hf"])
+def test_pickle_reloads_the_same_engine(gpt2_json, engine):
+    tok = load_tokenizer(gpt2_json, engine=engine)
     back = pickle.loads(pickle.dumps(tok))
-    assert back.engine == "tiktoken" and ids_of(back, MULTILINGUAL) == ids_of(tok, MULTILINGUAL)
+    assert (back.engine, back.engine_notes) == (tok.engine, tok.engine_notes)
+    assert ids_of(back, MULTILINGUAL) == ids_of(tok, MULTILINGUAL)
 
 
 # ---- encode_documents, dtypes ----------------------------------------------------------------

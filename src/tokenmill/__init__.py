@@ -1,6 +1,7 @@
 """tokenmill: raw text → token store → exact, resumable batches that keep accelerators fed."""
 
-from tokenmill.errors import ConfigError, InputError, StoreError, TokenizerError, TokenmillError
+from tokenmill.errors import (ConfigError, InputError, StaleIterator, StoreError, TokenizerError,
+                              TokenmillError)
 from tokenmill.loader import Loader
 from tokenmill.metrics import Instrumented, Meter, ModelCost
 from tokenmill.prepare import PrepareConfig, prepare
@@ -17,6 +18,7 @@ __all__ = [
     "Meter",
     "ModelCost",
     "PrepareConfig",
+    "StaleIterator",
     "StoreError",
     "TokenStore",
     "TokenizerError",

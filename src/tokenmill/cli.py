@@ -1,26 +1,126 @@
 """The command line: ``tokenmill prepare | inspect | verify | import-megatron | export | bench |
-plan | demo``."""
+plan | demo``.
+
+An ordinary failure is one line on stderr and an exit code, never a traceback:
+
+    tokenmill prepare: error: bad.jsonl:2: malformed JSON …   exit 2  (a TokenmillError; usage)
+    tokenmill export: error: /ro/x.bin: Read-only file system  exit 1  (an OSError)
+    tokenmill prepare: interrupted                              exit 130 (Ctrl-C)
+    (nothing)                                                   exit 141 (stdout closed: | head)
+
+Anything else is a bug in tokenmill and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import sys
 from pathlib import Path
 
-from tokenmill.errors import TokenmillError
+from tokenmill.errors import ConfigError, TokenmillError, os_error_text, redact
+
+USAGE_EXIT = 2  # argparse's code; also every TokenmillError (a refusal that says what to do)
+FAILED_EXIT = 1  # the system said no: a read-only disk, a missing folder, out of memory
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+CLOSED_STDOUT_EXIT = 141  # 128 + SIGPIPE, as `yes | head -1` leaves `yes`
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line: ``tokenmill plan: error: … (see --help)``."""
+
+    def error(self, message: str):
+        """Print the one line and exit 2."""
+        self.exit(USAGE_EXIT, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 done, 1 failed, 2 refused, 130, 141)."""
+    args = build_parser().parse_args(argv)
+    try:
+        code = args.run(args)
+        sys.stdout.flush()  # a reader that went away shows here, inside the try, not at exit
+        return code
+    except (Exception, KeyboardInterrupt) as e:
+        code = ordinary_failure(args.command, e)
+        if code is None:
+            raise  # a bug: the traceback is what a report needs
+        return code
+
+
+def ordinary_failure(command: str, error: BaseException) -> int | None:
+    """Say ``error`` in one line and return the exit code; None when it is a bug."""
+    if isinstance(error, BrokenPipeError) and stdout_closed():
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # quiet exit-time flush
+        return CLOSED_STDOUT_EXIT
+    if isinstance(error, KeyboardInterrupt):
+        return say(command, "interrupted", INTERRUPTED_EXIT)
+    if isinstance(error, TokenmillError):
+        return say(command, f"error: {error}", USAGE_EXIT)
+    if isinstance(error, OSError):
+        return say(command, f"error: {os_error_text(error)}", FAILED_EXIT)
+    if isinstance(error, MemoryError):
+        detail = f" ({error})" if str(error) else ""
+        return say(command, f"error: out of memory{detail}; give it more memory or fewer "
+                   "--workers", FAILED_EXIT)
+    return None
+
+
+def say(command: str, message: str, code: int) -> int:
+    """Print ``tokenmill <command>: <message>`` as one line (credentials redacted); ``code``."""
+    line = " | ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    try:
+        print(f"tokenmill {command}: {redact(line)}", file=sys.stderr, flush=True)
+    except OSError:
+        pass  # stderr is gone too: the exit code is all that can still be said
+    return code
+
+
+def stdout_closed() -> bool:
+    """True when stdout is a pipe whose reader has gone (``tokenmill inspect S | head -1``)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):
+        return False
+    poller = select.poll()
+    poller.register(fd, 0)  # no events asked: only POLLERR / POLLHUP / POLLNVAL come back
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+# ---- the parser -------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command; each subcommand's ``run`` default is its function."""
+    p = Parser(prog="tokenmill", description="Keep accelerators fed: tokenize text into a "
+               "memory-mapped store, load exact batches.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (add_prepare, add_inspect, add_verify, add_import_megatron, add_export, add_bench,
+                add_plan, add_demo):
+        add(sub)
+    return p
+
+
+def subcommand(sub, name: str, run, help: str) -> argparse.ArgumentParser:
+    """The parser of ``tokenmill <name>``, whose ``run`` default is ``run``."""
+    parser = sub.add_parser(name, help=help)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def add_quiet(parser: argparse.ArgumentParser) -> None:
+    """``--quiet``: no progress output."""
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
 def _int_or_auto(value: str) -> int | str:
     return value if value == "auto" else int(value)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tokenmill", description="Keep accelerators fed: "
-                                "tokenize text into a memory-mapped store, load exact batches.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    pp = sub.add_parser("prepare", help="tokenize text files into a token store")
+def add_prepare(sub) -> None:
+    """``tokenmill prepare``."""
+    pp = subcommand(sub, "prepare", run_prepare, "tokenize text files into a token store")
     pp.add_argument("inputs", nargs="+", metavar="INPUT",
                     help="files, directories, globs or URLs (.txt .jsonl[.gz|.zst] .parquet, "
                     "Hugging Face datasets saved with save_to_disk)")
@@ -39,6 +139,9 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--eos-token", default=None, help="EOS token string, if not detected")
     pp.add_argument("--no-fast-tokenizer", action="store_true",
                     help="never swap a tokenizer.json for its equivalent tiktoken encoding")
+    pp.add_argument("--tokenizer-engine", choices=["auto", "fastokens", "tiktoken", "hf"],
+                    default="auto", help="what runs a tokenizer.json: the fastest engine proven "
+                    "to give tokenizers' ids (auto, default) or that one; the same store")
     pp.add_argument("--overwrite", action="store_true", help="replace a different store at --out")
     pp.add_argument("--engine", choices=["local", "ray"], default="local",
                     help="local processes (default) or Ray tasks (pip install 'tokenmill[ray]'); "
@@ -46,18 +149,27 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--ray-address", default=None, metavar="auto|HOST:PORT",
                     help="--engine ray: the cluster to join (default: $RAY_ADDRESS, else a "
                     "private Ray instance on this machine with --workers CPUs)")
-    pp.add_argument("--quiet", action="store_true", help="no progress output")
+    add_quiet(pp)
 
-    pi = sub.add_parser("inspect", help="describe a store")
+
+def add_inspect(sub) -> None:
+    """``tokenmill inspect``."""
+    pi = subcommand(sub, "inspect", run_inspect, "describe a store")
     pi.add_argument("store")
     pi.add_argument("--json", action="store_true", help="print JSON instead of text")
     pi.add_argument("--plot", metavar="FILE.png", help="write a histogram of document lengths")
 
-    pv = sub.add_parser("verify", help="check a store's structure and every checksum")
+
+def add_verify(sub) -> None:
+    """``tokenmill verify``."""
+    pv = subcommand(sub, "verify", run_verify, "check a store's structure and every checksum")
     pv.add_argument("store")
 
-    pm = sub.add_parser("import-megatron", help="make a store of Megatron-LM .bin/.idx datasets "
-                        "(the .bin files are hard-linked, not copied)")
+
+def add_import_megatron(sub) -> None:
+    """``tokenmill import-megatron``."""
+    pm = subcommand(sub, "import-megatron", run_import_megatron, "make a store of Megatron-LM "
+                    ".bin/.idx datasets (the .bin files are hard-linked, not copied)")
     pm.add_argument("prefixes", nargs="+", metavar="PREFIX", help="dataset prefix of PREFIX.bin/.idx")
     pm.add_argument("--out", required=True, help="store directory to create (new or empty)")
     pm.add_argument("--tokenizer", required=True,
@@ -66,53 +178,56 @@ def _parser() -> argparse.ArgumentParser:
     pm.add_argument("--link", choices=["hard", "symlink", "copy"], default="hard",
                     help="hard link (default; a symlink when that fails, e.g. across filesystems), "
                     "symlink, or copy the .bin files")
-    pm.add_argument("--quiet", action="store_true", help="no progress output")
+    add_quiet(pm)
 
-    pe = sub.add_parser("export", help="write a store as a nanoGPT train.bin or as JSONL text")
+
+def add_export(sub) -> None:
+    """``tokenmill export``."""
+    pe = subcommand(sub, "export", run_export,
+                    "write a store as a nanoGPT train.bin or as JSONL text")
     pe.add_argument("store")
     pe.add_argument("--format", required=True, choices=["nanogpt", "jsonl"],
                     help="nanogpt: flat uint16 token ids; jsonl: one {\"text\": …} per document")
     pe.add_argument("--out", required=True, help="file to write (replaced atomically)")
     pe.add_argument("--tokenizer", default=None,
                     help="jsonl: the store's tokenizer, if not at the path its manifest records")
-    pe.add_argument("--quiet", action="store_true", help="no progress output")
+    add_quiet(pe)
 
-    pb = sub.add_parser("bench", help="compare tokenmill with other loaders on a store")
-    from tokenmill.bench import add_arguments
+
+def add_bench(sub) -> None:
+    """``tokenmill bench``."""
+    from tokenmill.bench import add_arguments  # numpy and the peers' registry: only when asked
+    pb = subcommand(sub, "bench", run_bench, "compare tokenmill with other loaders on a store")
     add_arguments(pb)
 
-    pl = sub.add_parser("plan", help="memory the loader's buffers take for a config")
+
+def add_plan(sub) -> None:
+    """``tokenmill plan``."""
+    pl = subcommand(sub, "plan", run_plan, "memory the loader's buffers take for a config")
     pl.add_argument("--seq-len", type=int, required=True)
     pl.add_argument("--batch-size", type=int, required=True)
     pl.add_argument("--layout", choices=["concat", "packed"], default="concat")
     pl.add_argument("--dtype", choices=["int32", "int64"], default="int32")
     pl.add_argument("--prefetch", type=int, default=2)
-    pl.add_argument("--store", default=None, help="a store, to size the packed layout")
+    pl.add_argument("--store", default=None, help="a store, to size the packed layout "
+                    "(required with --layout packed)")
 
-    pd = sub.add_parser("demo", help="the end-to-end demo on built-in data")
+
+def add_demo(sub) -> None:
+    """``tokenmill demo``."""
+    pd = subcommand(sub, "demo", run_demo, "the end-to-end demo on built-in data")
     pd.add_argument("--out", default="demo-out", help="working directory (default demo-out)")
     pd.add_argument("--quick", action="store_true", help="a smaller, faster run")
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit code."""
-    args = _parser().parse_args(argv)
-    try:
-        return _COMMANDS[args.command](args)
-    except TokenmillError as e:
-        print(f"tokenmill {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"tokenmill {args.command}: interrupted", file=sys.stderr)
-        return 130
+# ---- the commands -----------------------------------------------------------------------------
 
-
-def _prepare(args) -> int:
+def run_prepare(args) -> int:
+    """Tokenize the inputs into a store."""
     from tokenmill.prepare import prepare
     options = dict(text_key=args.text_key, txt_mode=args.txt_mode, on_error=args.on_error,
                    add_eos=not args.no_eos, add_bos=args.bos, eos=args.eos_token,
-                   fast_tokenizer=not args.no_fast_tokenizer)
+                   fast_tokenizer=False if args.no_fast_tokenizer else args.tokenizer_engine)
     if args.shard_tokens is not None:
         options["shard_tokens"] = args.shard_tokens
     prepare(args.inputs, out=args.out, tokenizer=args.tokenizer, workers=args.workers,
@@ -121,7 +236,8 @@ def _prepare(args) -> int:
     return 0
 
 
-def _inspect(args) -> int:
+def run_inspect(args) -> int:
+    """Describe a store (text or JSON), optionally plotting its document lengths."""
     from tokenmill.inspection import describe, format_description, plot_lengths
     info = describe(args.store)
     print(json.dumps(info, indent=1) if args.json else format_description(info))
@@ -131,19 +247,21 @@ def _inspect(args) -> int:
     return 0
 
 
-def _verify(args) -> int:
+def run_verify(args) -> int:
+    """Check a store; 1 and one BAD line per problem when it is damaged."""
     from tokenmill.store import verify_store
     problems = verify_store(args.store)
     if problems:
         for line in problems:
             print(f"BAD  {line}")
-        print(f"{args.store}: {len(problems)} problem(s) found")
+        print(f"{redact(args.store)}: {len(problems)} problem(s) found")
         return 1
-    print(f"{args.store}: OK (structure and every checksum verified)")
+    print(f"{redact(args.store)}: OK (structure and every checksum verified)")
     return 0
 
 
-def _import_megatron(args) -> int:
+def run_import_megatron(args) -> int:
+    """Make a store of Megatron-LM datasets."""
     from tokenmill.interchange import import_megatron
     from tokenmill.prepare import summary_line
     manifest = import_megatron(args.prefixes, out=args.out, tokenizer=args.tokenizer,
@@ -154,7 +272,8 @@ def _import_megatron(args) -> int:
     return 0
 
 
-def _export(args) -> int:
+def run_export(args) -> int:
+    """Write a store as nanoGPT's train.bin or as JSONL."""
     from tokenmill.interchange import export
     done = export(args.store, out=args.out, format=args.format, tokenizer=args.tokenizer,
                   progress=False if args.quiet else None)
@@ -164,13 +283,18 @@ def _export(args) -> int:
     return 0
 
 
-def _bench(args) -> int:
+def run_bench(args) -> int:
+    """Compare loaders on a store."""
     from tokenmill.bench import run_from_args
     return run_from_args(args)
 
 
-def _plan(args) -> int:
+def run_plan(args) -> int:
+    """Print the memory the loader's buffers take for a config."""
     from tokenmill.loader import PREFETCH_MEMORY_BUDGET, memory_plan
+    if args.layout == "packed" and not args.store:
+        raise ConfigError("--layout packed needs --store STORE: the packed layout's size "
+                          "depends on the store's number of documents")
     docs = 0
     if args.store:
         from tokenmill.store import read_manifest
@@ -186,12 +310,8 @@ def _plan(args) -> int:
     return 0
 
 
-def _demo(args) -> int:
-    from tokenmill.demo import run_demo
-    run_demo(Path(args.out), quick=args.quick)
+def run_demo(args) -> int:
+    """The end-to-end demo."""
+    from tokenmill.demo import run_demo as demo
+    demo(Path(args.out), quick=args.quick)
     return 0
-
-
-_COMMANDS = {"prepare": _prepare, "inspect": _inspect, "verify": _verify,
-             "import-megatron": _import_megatron, "export": _export, "bench": _bench,
-             "plan": _plan, "demo": _demo}

@@ -1,10 +1,42 @@
-"""Errors tokenmill raises on purpose: each names the file, line or shard and says what to do."""
+"""Errors tokenmill raises on purpose: each names the file, line or shard and says what to do.
+
+The command line prints any of them as one line, ``tokenmill <command>: error: <message>``, and
+exits 2; the Python API raises them with the same text.
+"""
 
 from __future__ import annotations
 
+import os
+import re
+
+
+# scheme://user:password@ — the password is whatever sits between the first ':' and the '@'
+_USERINFO = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^\s/@:'\"]*):(?P<pw>[^\s/@'\"]*)@")
+# ?token=… &key=… &X-Amz-Signature=… &sig=…: query parameters that carry secrets
+_SECRET_QUERY = re.compile(
+    r"(?P<head>[?&;][\w.\-]*(?:token|key|secret|passw(?:or)?d|pwd|sig|signature|credential|auth)"
+    r"[\w.\-]*=)(?P<value>[^&#\s'\"]+)", re.IGNORECASE)
+
+
+def redact(text: str | os.PathLike) -> str:
+    """``text`` with the password and secret query values of every URL in it replaced by ``***``.
+
+    redact("fetch http://ann:pw@host/a?token=t&x=1 failed")
+        == "fetch http://ann:***@host/a?token=***&x=1 failed"
+    """
+    text = os.fspath(text) if not isinstance(text, str) else text
+    if "://" not in text and "=" not in text:
+        return text
+    text = _USERINFO.sub(r"\g<head>:***@", text)
+    return _SECRET_QUERY.sub(r"\g<head>***", text)
+
 
 class TokenmillError(Exception):
-    """Base class of every error tokenmill raises on purpose."""
+    """Base class of every error tokenmill raises on purpose; its message has credentials
+    redacted."""
+
+    def __init__(self, message: object = "", *args: object):
+        super().__init__(redact(str(message)), *args)
 
 
 class InputError(TokenmillError):
@@ -22,9 +54,39 @@ class StoreError(TokenmillError):
     """A token store is incomplete, of the wrong version, or does not match its manifest."""
 
 
+class ConcurrentWriterError(StoreError):
+    """Another process is writing the same output (it holds its lock); names the path and pid."""
+
+    def __init__(self, message: str, *, path: str | None = None, pid: int | None = None):
+        super().__init__(message)
+        self.path = path
+        self.pid = pid
+
+
 class ConfigError(TokenmillError, ValueError):
     """A setting is out of range or inconsistent; the message shows the bad value."""
 
 
 class TokenizerError(TokenmillError):
     """A tokenizer spec cannot be loaded, or lacks what tokenmill needs (e.g. an EOS id)."""
+
+
+class StaleIterator(TokenmillError, RuntimeError):
+    """An iterator of a loader (``Loader`` or the streaming loader) that was iterated again,
+    loaded or closed after it was made: it raises this at its next ``next()``, never ending
+    quietly. (A RuntimeError too, as it was before it had a type.)"""
+
+
+class WorkerError(TokenmillError, RuntimeError):
+    """A worker process died or cannot start; the message gives its real exit reason and the
+    last lines of its stderr. (A RuntimeError too, as worker deaths were before.)"""
+
+
+def os_error_text(error: OSError) -> str:
+    """One line for an OSError: the file(s) it names, then what the system said.
+
+    os_error_text(NotADirectoryError(20, "Not a directory", "out/x")) == "out/x: Not a directory"
+    """
+    what = error.strerror or str(error) or type(error).__name__
+    names = [os.fsdecode(f) for f in (error.filename, error.filename2) if f is not None]
+    return f"{' -> '.join(names)}: {what}" if names else what

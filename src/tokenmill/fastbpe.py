@@ -1,11 +1,25 @@
-r"""Run a byte-level BPE tokenizer.json on tiktoken, after proving both engines give the same ids.
+r"""Engines for a tokenizer.json: the fastest one proven to give `tokenizers`' ids runs it.
 
-load_tokenizer(train_bpe(texts, 32000, out_path="tokenizer.json")).engine == "tiktoken"
+load_tokenizer(train_bpe(texts, 32000, out_path="tokenizer.json")).engine == "fastokens"
 
-tiktoken's BPE engine encodes byte-level BPE about 4x faster than `tokenizers` with the same ids.
-tiktoken_twin builds the equivalent tiktoken Encoding; a tokenizer.json takes it when all of these
-hold (otherwise tiktoken_twin raises NoFastPath saying why, and HFTokenizer in tokenmill.tokenizer
-falls back to `tokenizers` and warns once):
+    engine       what runs the BPE                      taken when
+    fastokens    fastokens (pip install 'tokenmill[fast]')  it loads the file, and the proof holds
+    tiktoken     an equivalent tiktoken Encoding        the conditions below, and the proof holds
+    tokenizers   Hugging Face tokenizers itself         always: the reference the others are proven on
+
+choose_engine tries them in that order (issue 13, GPT-2 BPE on 2 cores: 62, 13.7 and 3.5 MB/s) and
+returns the first that loads and gives, on a built-in sample, exactly the ids `tokenizers` gives
+(PROOF_SAMPLE: code, prose in eight scripts, whitespace and digit runs, emoji, every added token
+in several contexts, text cycled from all of these, and long documents of ~150 KB that cross
+fastokens' parallel chunks). Why each faster engine was refused is kept as a note ("fastokens:
+fastokens cannot load it: … unsupported normalizer type: NFKC"). An engine asked for by name is
+that engine or a NoFastPath saying why not.
+
+fastokens is refused when FASTOKENS_INPUT_CACHE is set: its prefix cache has given ids that depend
+on the text encoded before (seen in fastokens 0.3.2 on `\s+(?!\S)` patterns), which no proof on a
+sample can rule out. Its segment cache is switched off (it is for chat traffic).
+
+tiktoken_twin builds the tiktoken Encoding; a tokenizer.json takes it when all of these hold:
   - model BPE: no dropout, continuing_subword_prefix or end_of_word_suffix; every one of the 256
     byte symbols in the vocab; merges whose results keep one priority each (a token made by several
     merges only if they are adjacent in the merge list, as in tiktoken-converted Llama 3 files);
@@ -18,24 +32,169 @@ falls back to `tokenizers` and warns once):
   - with ignore_merges=False, every merged token encodes to itself (tiktoken looks whole pieces up
     in the vocab first); with ignore_merges=True (as tokenizers does then), no vocab token that no
     merge makes;
-  - tiktoken compiles the regex, and both engines give identical ids on a built-in multilingual
-    sample (_PROOF_SAMPLE plus every added token) at load time. The regex engines differ: e.g.
-    Oniguruma (tokenizers) reads `$` as end of line and `\p{N}{1,3}+` as "1-3 digits, repeated",
-    fancy-regex (tiktoken) as end of text and possessive; such files fail the proof and fall back.
+  - tiktoken compiles the regex, and the proof holds. The regex engines differ: e.g. Oniguruma
+    (tokenizers) reads `$` as end of line and `\p{N}{1,3}+` as "1-3 digits, repeated", fancy-regex
+    (tiktoken) and PCRE2 (fastokens) as end of text and possessive; such files fail the proof.
 Ranks are the vocab ids when those rise with merge order (files trained by tokenizers or converted
 from tiktoken); otherwise ranks follow merge order and ids are mapped back through a lookup table.
-Not taken (yet): normalizers such as Qwen2's NFC, several Splits in a row (DeepSeek-V3), Metaspace.
+
+The calls that run each engine live here, below tokenmill.tokenizer, so that the proof runs the
+very functions HFTokenizer encodes with.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable, Sequence
+
 import numpy as np
 
-__all__ = ["NoFastPath", "tiktoken_twin"]
+from tokenmill.errors import ConfigError, TokenizerError
+
+__all__ = ["ENGINES", "ENGINE_CHOICES", "FastokensEngine", "NoFastPath", "PROOF_SAMPLE",
+           "TiktokenEngine", "TokenizersEngine", "choose_engine", "encode_np", "fastokens_engine",
+           "hf_encode", "proof_sample", "prove", "scrub", "tiktoken_engine", "tiktoken_twin"]
+
+ENGINES = ("fastokens", "tiktoken", "tokenizers")  # fastest first
+ENGINE_CHOICES = ("auto", "fastokens", "tiktoken", "hf")  # "hf": tokenizers itself, no substitute
 
 
 class NoFastPath(Exception):
-    """Why a tokenizer.json cannot be run by tiktoken."""
+    """Why a tokenizer.json cannot be run by a faster engine."""
+
+
+def scrub(text: str) -> str:
+    """Text with lone surrogates replaced by U+FFFD (what tiktoken does), so UTF-8 can hold it.
+
+    scrub("a\\ud800b") == "a\\ufffdb"
+    """
+    if not isinstance(text, str):
+        raise TokenizerError(f"texts must be str (got {type(text).__name__})")
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def encode_np(enc, text: str, allowed: frozenset) -> np.ndarray:
+    """One text through a tiktoken Encoding as a uint32 array (encode_to_numpy: no Python list)."""
+    try:
+        return enc.encode_to_numpy(text, allowed_special=allowed, disallowed_special=())
+    except UnicodeEncodeError:  # encode_to_numpy lacks encode()'s surrogate fallback
+        return enc.encode_to_numpy(scrub(text), allowed_special=allowed, disallowed_special=())
+
+
+def hf_encode(hf, texts: list) -> list[np.ndarray]:
+    """Texts through a `tokenizers` Tokenizer, without special tokens, as uint32 arrays."""
+    batch = getattr(hf, "encode_batch_fast", hf.encode_batch)  # _fast: no offsets (tokenizers>=0.20)
+    try:
+        encodings = batch(texts, add_special_tokens=False)
+    except (TypeError, UnicodeEncodeError):  # lone surrogates reach Rust as invalid str
+        encodings = batch([scrub(t) for t in texts], add_special_tokens=False)
+    return [np.array(e.ids, np.uint32) for e in encodings]
+
+
+# ---- the engines: encode_batch(texts) -> one uint32 array per text ------------------------------
+
+class TokenizersEngine:
+    """Hugging Face `tokenizers` itself: the reference the other engines are proven against."""
+
+    name = "tokenizers"
+
+    def __init__(self, hf):
+        self.hf = hf
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Ids of each text, no special tokens added."""
+        return hf_encode(self.hf, list(texts))
+
+
+class TiktokenEngine:
+    """A tiktoken Encoding equivalent to the file, ids mapped back through `lut` if given."""
+
+    name = "tiktoken"
+
+    def __init__(self, enc, lut: np.ndarray | None, allowed: frozenset):
+        self.enc, self.lut, self.allowed = enc, lut, allowed
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Ids of each text; added tokens in the text become their ids, as in `tokenizers`."""
+        ids = [encode_np(self.enc, t, self.allowed) for t in texts]
+        return ids if self.lut is None else [self.lut[x] for x in ids]
+
+
+class FastokensEngine:
+    """A fastokens Tokenizer; a batch comes back as one flat buffer (no per-token objects)."""
+
+    name = "fastokens"
+
+    def __init__(self, ft):
+        self.ft = ft
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Ids of each text (views into one buffer), no special tokens added."""
+        texts = list(texts)
+        if not texts:
+            return []
+        try:
+            flat, offsets = self.ft.encode_batch_flat(texts, add_special_tokens=False)
+        except (TypeError, UnicodeEncodeError):  # lone surrogates; non-str raise in scrub
+            flat, offsets = self.ft.encode_batch_flat([scrub(t) for t in texts],
+                                                      add_special_tokens=False)
+        ids = np.frombuffer(flat, np.dtype("<u4"))
+        ends = np.frombuffer(offsets, np.dtype("<u8"))[1:-1].astype(np.intp)
+        return np.split(ids, ends)
+
+
+def fastokens_engine(data: bytes) -> FastokensEngine:
+    """fastokens loaded from the tokenizer.json bytes (not yet proven), or raise NoFastPath."""
+    try:
+        import fastokens
+    except ImportError:
+        raise NoFastPath("not installed (pip install 'tokenmill[fast]')") from None
+    if os.environ.get("FASTOKENS_INPUT_CACHE"):
+        raise NoFastPath("FASTOKENS_INPUT_CACHE is set: its prefix cache has made ids depend on "
+                         "the text encoded before; unset it to use fastokens")
+    try:
+        ft = fastokens.Tokenizer.from_json_str(data.decode("utf-8"))
+    except BaseException as e:  # ValueError for what it does not support; the core may panic
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise NoFastPath(f"fastokens cannot load it: {e}") from None
+    ft.no_truncation()  # a file's max_length (e.g. 512) must not cut documents
+    ft.no_padding()
+    ft.enable_segment_cache(0)
+    return FastokensEngine(ft)
+
+
+def tiktoken_engine(hf, config: dict, name: str) -> TiktokenEngine:
+    """The tiktoken twin of the file (not yet proven), or raise NoFastPath."""
+    return TiktokenEngine(*tiktoken_twin(hf, config, name))
+
+
+def choose_engine(hf, data: bytes, config: dict, name: str, wanted: str = "auto"):
+    """(engine, notes): the fastest engine proven to give `hf`'s ids and why faster ones were
+    refused; an engine asked for by name, or NoFastPath saying why it cannot run the file."""
+    wanted = "hf" if wanted == "tokenizers" else wanted
+    if wanted not in ENGINE_CHOICES:
+        raise ConfigError(f"tokenizer engine must be one of {', '.join(ENGINE_CHOICES)} "
+                          f"(got {wanted!r})")
+    order = ENGINES if wanted == "auto" else ("tokenizers" if wanted == "hf" else wanted,)
+    notes: list[str] = [] if wanted == "auto" else [f"asked for: engine={wanted!r}"]
+    want: dict = {}  # the reference ids, computed once for every engine tried
+    for engine_name in order:
+        if engine_name == "tokenizers":
+            return TokenizersEngine(hf), tuple(notes)
+        try:
+            engine = (fastokens_engine(data) if engine_name == "fastokens"
+                      else tiktoken_engine(hf, config, name))
+            if not want:
+                want["sample"] = proof_sample(t["content"] for t in config.get("added_tokens") or [])
+                want["ids"] = hf_encode(hf, want["sample"])
+            prove(engine, want["sample"], want["ids"])
+            return engine, tuple(notes)
+        except NoFastPath as e:
+            if wanted != "auto":
+                raise
+            notes.append(f"{engine_name}: {e}")
+    raise AssertionError("unreachable: tokenizers always runs")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -53,7 +212,9 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def tiktoken_twin(hf, config: dict, name: str):
-    """(Encoding, id lookup table or None, added tokens to split on), or raise NoFastPath."""
+    """(Encoding, id lookup table or None, added tokens to split on), or raise NoFastPath.
+
+    Not proven here: choose_engine proves every engine the same way."""
     import tiktoken
 
     model = config.get("model") or {}
@@ -85,9 +246,7 @@ def tiktoken_twin(hf, config: dict, name: str):
                                 special_tokens=specials)
     except BaseException as e:  # fancy-regex rejects some Oniguruma syntax; the core may panic
         raise NoFastPath(f"tiktoken cannot build it: {e}") from None
-    allowed = frozenset(specials)
-    _prove(hf, enc, lut, allowed)
-    return enc, lut, allowed
+    return enc, lut, frozenset(specials)
 
 
 def _check_model(model: dict) -> None:
@@ -184,7 +343,7 @@ def _check_whole_tokens(hf, model: dict, result_order: list[str]) -> None:
             raise NoFastPath(f"vocab token {token!r} does not encode to itself ({got})")
 
 
-_PROOF_SAMPLE = (
+PROOF_SAMPLE = (
     "It's John's book; they'll say we've done what I'd've thought. DON'T shout, you're RIGHT'S.",
     "x'S 'll 're 'VE 'd 'M 'T  ''quoted'' \"double\" — em dash – en dash … ellipsis",
     "def f(x):\n    return x ** 2  # square\n\n\n\tif x:\n\t\tpass\n    \n  \n",
@@ -203,19 +362,40 @@ _PROOF_SAMPLE = (
     "Mixed\tTabs \t\n\t\nand  \n spaces   \n\n\nend.\n",
 )
 
+LONG_RUNS = (" " * 5000 + "x", "\n" * 2000 + "y", "\t \n" * 700, "0123456789" * 500,
+             "ab" * 1500, "😀" * 600, "日本語" * 800, "-" * 3000 + ">", "x" + " \n" * 900)
 
-def _prove(hf, enc, lut, allowed: frozenset) -> None:
-    """Both engines must give identical ids on the built-in sample, or no fast path."""
-    # the very functions HFTokenizer encodes with; imported here as tokenizer imports this module
-    from tokenmill.tokenizer import _encode_np, _hf_encode
 
-    sample = list(_PROOF_SAMPLE)
-    sample += [f"x{a}y {a} {a}{a}\n{a}." for a in sorted(allowed)[:300]]
-    sample.append("\n".join(sample))
-    want = _hf_encode(hf, sample)
-    for text, w in zip(sample, want):
-        got = _encode_np(enc, text, allowed)
-        if lut is not None:
-            got = lut[got]
-        if not np.array_equal(got, w):
-            raise NoFastPath(f"tiktoken and tokenizers disagree on {text[:60]!r}")
+def proof_sample(added: Iterable[str] = ()) -> list[str]:
+    """The texts an engine must encode exactly as `tokenizers` does: PROOF_SAMPLE, long runs,
+    each added token (up to 300) in several contexts, text cycled from all of these, and two long
+    documents (~150 KB: many of fastokens' 16,384-split parallel chunks).
+
+    proof_sample()[0] == PROOF_SAMPLE[0]
+    """
+    sample = list(PROOF_SAMPLE) + list(LONG_RUNS)
+    tokens = sorted(set(added))[:300]
+    sample += [f"x{a}y {a} {a}{a}\n{a}. \t{a}\n\n" for a in tokens]
+    if tokens:
+        sample.append(" ".join(tokens) + "".join(tokens))
+    pieces = [w for text in PROOF_SAMPLE for w in text.split(" ")] + tokens
+    # deterministic mixing: every piece appears, neighbours vary (7919 is prime)
+    sample += [" ".join(pieces[(i * 7919 + k) % len(pieces)] for i in range(40))
+               for k in range(64)]
+    prose = "\n".join(sample[:len(PROOF_SAMPLE)])
+    sample.append("".join(sample[len(PROOF_SAMPLE):]))  # the runs, tokens and mixes at once
+    sample.append((prose + "\n\n") * (150_000 // len(prose)))
+    return sample
+
+
+def prove(engine, sample: list[str], want: list[np.ndarray]) -> None:
+    """The engine's ids on `sample` (one batch) must be `want`, text by text, or NoFastPath."""
+    got = engine.encode_batch(sample)
+    if len(got) != len(want):
+        raise NoFastPath(f"{engine.name} returned {len(got)} results for {len(want)} texts")
+    for text, g, w in zip(sample, got, want):
+        if not np.array_equal(g, w):
+            at = next((i for i, (a, b) in enumerate(zip(g.tolist(), w.tolist())) if a != b),
+                      min(len(g), len(w)))
+            raise NoFastPath(f"{engine.name} and tokenizers disagree on {text[:60]!r} "
+                             f"(token {at}: {g[at:at + 3].tolist()} vs {w[at:at + 3].tolist()})")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
 import numpy as np
 
 from tokenmill.errors import TokenmillError
+from tokenmill.io import atomic_write_bytes, is_url, redact
 from tokenmill.store import TokenStore
 
 PERCENTILES = (0, 10, 50, 90, 99, 100)
@@ -37,13 +39,24 @@ def decoded_sample(store: TokenStore, *, max_tokens: int = 64) -> str | None:
     return tok.decode(np.asarray(store[0][:max_tokens], dtype=np.int64).tolist()) if len(store) else ""
 
 
+def display_path(path: str | os.PathLike) -> str:
+    """How a store's location is shown: a URL as given (credentials redacted), a local path
+    normalised.
+
+    display_path("s3://b/store/") == "s3://b/store" and display_path("a//b/") == "a/b"
+    """
+    if is_url(path):
+        return redact(os.fspath(path).rstrip("/"))
+    return str(Path(path))
+
+
 def describe(path: str | os.PathLike) -> dict:
     """A JSON-able description of the store at ``path``."""
     with TokenStore(path) as store:
         m = store.manifest
         disk = sum(s["bin_bytes"] + s["idx_bytes"] for s in m["shards"])
         return {
-            "path": str(Path(path)),
+            "path": display_path(path),
             "documents": len(store),
             "tokens": store.num_tokens,
             "tokens_per_document": length_percentiles(store.doc_lengths),
@@ -99,7 +112,7 @@ def plot_lengths(path: str | os.PathLike, out_png: str | os.PathLike) -> None:
     ax.set_ylabel("documents")
     ax.set_title(f"{Path(path).name}: {len(lengths):,} documents")
     fig.tight_layout()
-    tmp = Path(out_png).with_name(f".{Path(out_png).name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp, out_png)
+    atomic_write_bytes(out_png, png.getvalue())

@@ -38,6 +38,7 @@ Every output is written under a temporary name and renamed into place; memory st
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -49,12 +50,13 @@ import numpy as np
 import xxhash
 
 from tokenmill.errors import ConfigError, InputError, StoreError, TokenizerError
+from tokenmill.io import atomic_output, is_url, redact, xxh3_file
 from tokenmill.store import (IDX_HEADER, IDX_MAGIC, IDX_VERSION, MANIFEST, DTYPE_CODES, ShardInfo,
                              TokenStore, atomic_write_bytes, atomic_write_json, build_manifest,
                              idx_bytes, read_idx, shard_name)
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["EXPORT_FORMATS", "LINK_MODES", "export", "import_megatron"]
+__all__ = ["EXPORT_FORMATS", "LINK_MODES", "export", "import_megatron", "verified_shard"]
 
 LINK_MODES = ("hard", "symlink", "copy")
 EXPORT_FORMATS = ("nanogpt", "jsonl")
@@ -326,20 +328,45 @@ def export(store: str | os.PathLike, *, out: str | os.PathLike, format: str,
     out = Path(out)
     if out.is_dir():
         raise ConfigError(f"{out}: is a directory; --out names the file to write")
-    with TokenStore(store) as s:
-        out.parent.mkdir(parents=True, exist_ok=True)
+    # every shard's checksum is checked here, as it is read: the background check is not needed
+    with TokenStore(store, verify="off") as s:
         writer = _write_nanogpt if format == "nanogpt" else _write_jsonl
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                writer(s, f, tokenizer, progress)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, out)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with output_errors(out), atomic_output(out) as f:
+            writer(s, f, tokenizer, progress)
         return {"format": format, "out": str(out), "documents": len(s), "tokens": s.num_tokens,
                 "bytes": out.stat().st_size}
+
+
+@contextlib.contextmanager
+def output_errors(out: Path) -> Iterator[None]:
+    """Create ``out``'s folder if needed; a folder that cannot be made or written (read-only, a
+    file in the way, no permission) is a ConfigError naming ``out``."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        yield
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        if isinstance(e, (FileExistsError, NotADirectoryError)) or not out.parent.is_dir():
+            why = f"{why}: a part of its folder is a file, not a folder"
+        raise ConfigError(f"{out}: cannot write ({why}); choose an --out in a folder you can "
+                          "write to") from None
+
+
+def verified_shard(s: TokenStore, k: int) -> np.ndarray:
+    """Shard ``k``'s tokens after checking its ``.bin`` (and a local ``.idx``) against the
+    manifest's xxh3 — export reads every byte anyway; a StoreError names a changed file."""
+    entry, tokens = s.manifest["shards"][k], s.shard(k)
+    where = f"{redact(str(s.path))}/{entry['name']}"
+    got = xxhash.xxh3_64_hexdigest(memoryview(np.ascontiguousarray(tokens)).cast("B"))
+    if got != entry["bin_xxh3"]:
+        raise StoreError(f"{where}.bin: checksum mismatch (xxh3 {got}, the manifest records "
+                         f"{entry['bin_xxh3']}): the shard changed after prepare, nothing was "
+                         "exported — run 'tokenmill verify', then 'tokenmill prepare' again")
+    if not is_url(s.path) and (got := xxh3_file(f"{s.path}/{entry['name']}.idx")) != entry["idx_xxh3"]:
+        raise StoreError(f"{where}.idx: checksum mismatch (xxh3 {got}, the manifest records "
+                         f"{entry['idx_xxh3']}): the index changed after prepare, nothing was "
+                         "exported — run 'tokenmill verify', then 'tokenmill prepare' again")
+    return tokens
 
 
 def _write_nanogpt(s: TokenStore, f, tokenizer, progress) -> None:
@@ -350,7 +377,7 @@ def _write_nanogpt(s: TokenStore, f, tokenizer, progress) -> None:
                          "with a tokenizer of at most 65,536 ids")
     with _Bar(s.num_tokens, "export", progress) as bar:
         for k in range(s.num_shards):
-            tokens = s.shard(k)
+            tokens = verified_shard(s, k)
             for start in range(0, len(tokens), _CHUNK // 2):
                 part = tokens[start:start + _CHUNK // 2]
                 if s.dtype != np.uint16 and len(part) and (part.min() < 0 or part.max() > 0xFFFF):
@@ -380,7 +407,7 @@ def _write_jsonl(s: TokenStore, f, tokenizer, progress) -> None:
 def _documents(s: TokenStore) -> Iterator[np.ndarray]:
     """Every document's tokens in store order, a view at a time."""
     for k, lengths in enumerate(np.split(s.doc_lengths, s.shard_doc_starts[1:-1])):
-        tokens, pos = s.shard(k), 0
+        tokens, pos = verified_shard(s, k), 0
         for n in lengths.tolist():
             yield tokens[pos:pos + n]
             pos += n

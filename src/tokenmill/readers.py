@@ -1,4 +1,5 @@
-"""Per-format readers behind ``tokenmill.sources``: planning a file into ranges, reading a range.
+"""Text readers behind ``tokenmill.sources``: planning a .txt / .jsonl[.gz|.zst] into ranges,
+reading a range.
 
 Byte ranges. A plain ``.jsonl``, or a ``.txt`` in lines/paragraphs mode, is cut into byte ranges of
 ``unit_bytes``; a range owns the records whose first byte lies inside it::
@@ -13,63 +14,43 @@ exactly at start is kept), then reads whole lines while they start before stop. 
 owned by the unit that owns its first line; a reader looks back at the line before its first one
 to know whether it lands inside a paragraph (then it skips to the next blank line), and reads past
 stop to finish its last paragraph. So the units of a file, read one after another, give exactly the
-documents of the whole file. Compressed files and ``.txt`` in file mode are one unit each
-(``stop=-1``: to the end).
+documents of the whole file. A ``.txt`` in file mode is one unit (``stop=-1``: to the end).
 
-Columnar files. A parquet file is cut by row groups, an Arrow IPC *stream* (the ``data-*.arrow``
-files of a Hugging Face dataset saved with ``save_to_disk``) by record batches: consecutive groups
-(their whole size) or batches (their text column) until they reach ``unit_bytes``. A local stream
-is memory-mapped (``pa.memory_map`` + ``pa.ipc.open_stream``), so passing over the batches before
-a range copies nothing; a remote one is a single unit. Rows are numbered from 1 within the file.
+Compressed streams (``.jsonl.gz``, ``.jsonl.zst``) cannot seek, so one pass decompresses the file
+in 1 MiB blocks and cuts it after the first "\\n" at or past every ``unit_bytes`` of *decompressed*
+text (``cuts``): a range is [start, stop) of decompressed bytes holding whole lines, with the number
+of lines before it (so errors name the line). An empty or binary stream, and what follows a read
+error, is one range to the end (``stop=-1``). Reading a range decompresses from the start and drops
+what precedes it, unless the caller hands in its bytes (``decompress.StreamPayloads`` reads every
+range of a file in one sequential pass: what prepare's parent process ships to its workers).
+
+Memory stays bounded by a block plus the longest line. A line too long to hold in memory (a
+``MemoryError``) is an ``InputError`` naming the file and line under either policy: what a store
+holds must not depend on how much memory the machine had.
 
 Every reader takes a ``report(where, reason, detail)`` function and yields what it returns in the
-place of a bad record (a ``sources.Skip``, or it raises); this module knows nothing of units.
+place of a bad record (a ``Skip``, or it raises).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gzip
 import io
 import json
-import os
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
-if TYPE_CHECKING:
-    from tokenmill.sources import SourceConfig, Skip
-
-Report = Callable[[str, str, str], "Skip"]
+from tokenmill.decompress import open_stream, skip_bytes
+from tokenmill.errors import InputError
+from tokenmill.io import file_size, open_binary
+from tokenmill.records import COMPRESSED, Report, Skip, SourceConfig, Unit, io_errors
 
 _CHUNK = 1 << 20  # read 1 MiB blocks of whole lines: memory stays bounded whatever unit_bytes is
 _SNIFF = 8192  # a NUL byte in the first 8 KiB of content marks a binary file
 _WS, _WS_BYTES = " \t\r\f\v", b" \t\r\f\v"  # what a blank line may hold
 _BOM = b"\xef\xbb\xbf"
 
-
-def is_url(path: str) -> bool:
-    """Whether a path goes through fsspec: is_url("s3://b/a.jsonl") == True."""
-    return "://" in path
-
-
-def file_size(path: str, storage_options) -> int:
-    """Size in bytes of a local file or a URL."""
-    if not is_url(path):
-        return os.path.getsize(path)
-    import fsspec.core
-    fs, p = fsspec.core.url_to_fs(path, **(storage_options or {}))
-    return int(fs.size(p))
-
-
-def open_binary(path: str, storage_options):
-    """A binary file object: plain ``open`` for local paths, fsspec for URLs."""
-    if not is_url(path):
-        return open(path, "rb", buffering=_CHUNK)
-    import io
-    import fsspec
-    # fsspec's files lack readline(size), which the byte-range readers use: buffer them
-    return io.BufferedReader(fsspec.open(path, "rb", **(storage_options or {})).open(),
-                             buffer_size=_CHUNK)
+Range = tuple[int, int, int]  # (start, stop, lines before start) of a compressed stream
 
 
 # ---- planning --------------------------------------------------------------------------------
@@ -82,116 +63,148 @@ def plan_ranges(path: str, config: SourceConfig) -> list[tuple[int, int]]:
     return [(s, min(s + step, size)) for s in range(0, size, step)] or [(0, -1)]
 
 
-def plan_parquet(path: str, config: SourceConfig) -> list[tuple[int, int]]:
-    """Ranges of consecutive row groups, grouped until their uncompressed size reaches unit_bytes.
+def plan_stream(path: str, fmt: str, config: SourceConfig) -> tuple[list[Range], BaseException | None]:
+    """Ranges of a compressed stream from one pass over it, and the read error that ended the
+    pass early, if any (then the last range runs to the end, stop -1: its reader meets the error
+    again). An empty or binary stream is one range (0, -1, 0), which its reader reports."""
+    ranges, start, line = [], 0, 0
+    try:
+        with open_stream(path, fmt, config.storage_options) as f:
+            head = f.read(_SNIFF)
+            if _sniff(head):
+                return [(0, -1, 0)], None
+            for stop, lines in cuts(_chunks(f, head), config.unit_bytes):
+                ranges.append((start, stop, line))
+                start, line = stop, lines
+    except io_errors() as e:
+        return ranges + [(start, -1, line)], e
+    return ranges, None
 
-    Row-group sizes only: pyarrow's per-column metadata accessor (``row_group(g).column(c)``)
-    aborts the whole process on some damaged footers (a C++ exception it does not catch).
+
+def cuts(blocks: Iterable[bytes], unit_bytes: int) -> Iterator[tuple[int, int]]:
+    """(offset, lines before it) where each unit ends: after the first "\\n" at or past
+    unit_bytes from the unit's start, and at the end of the data.
+
+    list(cuts([b"ab\\ncd\\n", b"e\\nf"], 4)) == [(6, 2), (9, 3)]
     """
-    with _parquet(path, config.storage_options) as pf:
-        md = pf.metadata
-        sizes = [md.row_group(g).total_byte_size for g in range(md.num_row_groups)]
-    return _group(sizes, config.unit_bytes)
+    pos = lines = last = 0  # offset of the block, "\n"s before it, the last cut
+    target = unit_bytes
+    for block in blocks:
+        end, seen, n = pos + len(block), 0, lines  # n: the "\n"s before block[seen:]
+        while target <= end:
+            i = block.find(b"\n", max(target - 1 - pos, seen))
+            if i < 0:
+                break  # the line goes on in the next block
+            n, seen = n + block.count(b"\n", seen, i + 1), i + 1
+            last, target = pos + seen, pos + seen + unit_bytes
+            yield last, n
+        lines, pos = n + block.count(b"\n", seen), end
+    if pos > last:
+        yield pos, lines
 
 
-def plan_arrow(path: str, config: SourceConfig) -> list[tuple[int, int]]:
-    """Ranges of consecutive record batches of an Arrow stream (a remote stream: one range)."""
-    if is_url(path):
-        return [(0, -1)]
-    with _arrow_stream(path, None) as reader:
-        has_key = reader.schema.get_field_index(config.text_key) >= 0
-        sizes = [(b.column(config.text_key) if has_key else b).get_total_buffer_size()
-                 for b in reader]
-    return _group(sizes, config.unit_bytes)
+def _chunks(f, head: bytes) -> Iterator[bytes]:
+    yield head
+    while data := f.read(_CHUNK):
+        yield data
 
 
-def _group(sizes: list[int], unit_bytes: int) -> list[tuple[int, int]]:
-    """Consecutive parts grouped until they reach unit_bytes.
-
-    _group([5, 1, 9, 2], 6) == [(0, 2), (2, 3), (3, 4)]
-    """
-    ranges, first, acc = [], 0, 0
-    for g, size in enumerate(sizes):
-        acc += size
-        if acc >= unit_bytes:
-            ranges.append((first, g + 1))
-            first, acc = g + 1, 0
-    if first < len(sizes) or not ranges:
-        ranges.append((first, len(sizes)))
-    return ranges
+# ---- reading ---------------------------------------------------------------------------------
 
 
-# ---- text: .txt, .jsonl[.gz|.zst] --------------------------------------------------------------
+@dataclass
+class _Track:
+    """Where a reader is, for the message of a MemoryError."""
+
+    base: Callable[[], int] = lambda: 0  # lines before the unit's first record
+    done: int = 0  # lines of the unit in the blocks before the current one
+    line: int = 1  # the current block's last line (1-based in the unit): only it can be long
+    whole: bool = False  # .txt file mode: the document is the whole file
 
 
-def _decompressed(raw, fmt: str):
-    if fmt == "jsonl.gz":
-        return gzip.GzipFile(fileobj=raw, mode="rb")
-    if fmt == "jsonl.zst":
-        return io.BufferedReader(_ZstdStream(raw), buffer_size=_CHUNK)
-    return contextlib.nullcontext(raw)
+def read_text(unit: Unit, fmt: str, config: SourceConfig, report: Report,
+              payload: bytes | None = None) -> Iterator[str | Skip]:
+    """The documents of a text unit (stop -1: to the end). A compressed stream's unit reads
+    ``payload`` when given (its decompressed bytes), else decompresses from the start."""
+    track = _Track()
+    reader = _stream_docs if fmt in COMPRESSED else _plain_docs
+    try:
+        yield from reader(unit, fmt, config, report, payload, track)
+    except MemoryError:
+        raise _too_long(unit.path, track) from None
 
 
-class _ZstdStream(io.RawIOBase):
-    """Concatenated zstd frames, decompressed; a stream that ends inside a frame raises EOFError.
-
-    (zstandard's own stream_reader stops silently at a truncated frame.)
-    """
-
-    def __init__(self, source):
-        import zstandard  # max_window_size: accept files made with zstd --long=31
-        self._source, self._dctx = source, zstandard.ZstdDecompressor(max_window_size=1 << 31)
-        self._obj, self._in_frame, self._out = self._dctx.decompressobj(), False, memoryview(b"")
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        while not self._out:
-            data = b""
-            if self._obj.eof:
-                data, self._obj = self._obj.unused_data, self._dctx.decompressobj()
-            data = data or self._source.read(1 << 18)
-            if not data:
-                if self._in_frame:
-                    raise EOFError("zstd stream ends inside a frame; the file is truncated")
-                return 0
-            self._out = memoryview(self._obj.decompress(data))
-            self._in_frame = not self._obj.eof
-        n = min(len(buffer), len(self._out))
-        buffer[:n], self._out = self._out[:n], self._out[n:]
-        return n
-
-
-def read_text(path: str, start: int, stop: int, fmt: str, config: SourceConfig,
-              report: Report) -> Iterator[str | Skip]:
-    """The documents of bytes [start, stop) of a text file (stop -1: to the end)."""
-    mode = config.txt_mode
-    with open_binary(path, config.storage_options) as raw, _decompressed(raw, fmt) as f:
+def _plain_docs(unit: Unit, fmt: str, config: SourceConfig, report: Report, payload,
+                track: _Track) -> Iterator[str | Skip]:
+    if payload is not None:
+        raise TypeError(f"{unit.path}: a payload is only for a compressed stream's unit")
+    start, stop, mode = unit.start, unit.stop, config.txt_mode
+    with open_binary(unit.path, config.storage_options) as f:
         head = f.read(_SNIFF)
-        if not head or b"\0" in head:
+        if problem := _sniff(head):
             if start == 0:  # a file-level problem: reported once, by the first unit
-                yield report("file", *(("empty_file", "0 bytes") if not head else
-                                       ("binary_file", f"NUL byte at offset {head.index(0)}")))
+                yield report("file", *problem)
             return
         if fmt == "txt" and mode == "file":
+            track.whole = True
             yield _whole_file(head + f.read(), report)
             return
-        foreign = False  # paragraphs: the unit starts inside a paragraph owned by an earlier unit
-        if fmt != "jsonl" and fmt != "txt":  # compressed: one stream, one unit
-            pos, blocks = 0, _blocks(f, 0, -1, carry=head)
-        else:
-            pos = _seek_record(f, start, stop)
-            foreign = fmt == "txt" and mode == "paragraphs" and start > 0 and not _prev_blank(f, pos)
-            f.seek(pos)
-            blocks = _blocks(f, pos, stop)
-        base = _line_base(f, pos)
+        pos = _seek_record(f, start, stop)
+        foreign = fmt == "txt" and mode == "paragraphs" and start > 0 and not _prev_blank(f, pos)
+        f.seek(pos)
+        track.base = base = _line_base(unit.path, fmt, pos, config.storage_options)
+        blocks = _blocks(f, stop - pos if stop >= 0 else -1, track, bom=pos == 0)
         if fmt != "txt":
             yield from _jsonl_docs(blocks, config.text_key, report, base)
         elif mode == "lines":
             yield from _line_docs(blocks, report, base)
         else:
-            yield from _paragraph_docs(blocks, f, report, base, foreign)
+            yield from _paragraph_docs(blocks, f, report, base, foreign, track)
+
+
+def _stream_docs(unit: Unit, fmt: str, config: SourceConfig, report: Report, payload,
+                 track: _Track) -> Iterator[str | Skip]:
+    with contextlib.ExitStack() as stack:
+        if payload is not None:
+            f = io.BytesIO(payload)
+        else:
+            f = stack.enter_context(open_stream(unit.path, fmt, config.storage_options))
+            skip_bytes(f, unit.start)
+        limit = unit.stop - unit.start if unit.stop >= 0 else -1
+        head = b""
+        if unit.start == 0:
+            head = f.read(_SNIFF if limit < 0 else min(_SNIFF, limit))
+            if problem := _sniff(head):
+                yield report("file", *problem)
+                return
+        line = unit.line
+        base = (lambda: line) if line is not None else _line_base(
+            unit.path, fmt, unit.start, config.storage_options)
+        track.base = base
+        blocks = _blocks(f, limit, track, carry=head, bom=unit.start == 0)
+        yield from _jsonl_docs(blocks, config.text_key, report, base)
+
+
+def _sniff(head: bytes) -> tuple[str, str] | None:
+    """A file-level problem seen in the first bytes: empty, or binary (a NUL byte)."""
+    if not head:
+        return "empty_file", "0 bytes"
+    return ("binary_file", f"NUL byte at offset {head.index(0)}") if b"\0" in head else None
+
+
+def _too_long(path: str, track: _Track) -> InputError:
+    if track.whole:
+        return InputError(f"{path}: the file is one document (txt_mode='file') too big to hold "
+                          "in memory (MemoryError); read it with --txt-mode lines or paragraphs, "
+                          "or give the process more memory", path=path, where="file",
+                          reason="unreadable")
+    try:
+        n = track.base() + track.line
+    except io_errors():
+        n = track.line
+    return InputError(f"{path}:{n}: line {n} is too long to hold in memory (MemoryError); split "
+                      "it into smaller records, or give the process more memory", path=path,
+                      where=f"line {n}", reason="unreadable")
 
 
 def _seek_record(f, start: int, stop: int = -1) -> int:
@@ -208,32 +221,36 @@ def _seek_record(f, start: int, stop: int = -1) -> int:
     return start - 1 + len(line) if found else stop
 
 
-def _blocks(f, pos: int, stop: int, carry: bytes = b"") -> Iterator[bytes]:
-    """Chunks of whole lines read from pos: the lines that start before stop (-1: to the end)."""
-    first = pos == 0
-    while stop < 0 or pos < stop:
-        want = _CHUNK if stop < 0 else min(_CHUNK, stop - pos)
+def _blocks(f, limit: int, track: _Track, carry: bytes = b"", bom: bool = False) -> Iterator[bytes]:
+    """Chunks of whole lines read from f: the lines that start in its next ``limit`` bytes
+    (-1: to the end). ``carry``: bytes already read from f; ``bom``: drop a leading BOM."""
+    read = 0
+    while limit < 0 or read < limit:
+        want = _CHUNK if limit < 0 else min(_CHUNK, limit - read)
         data, carry = carry + f.read(max(want - len(carry), 0)), b""
         if not data:
             return
-        if data[-1] != 10:  # finish the last line, even past stop: it started before
+        track.line = track.done + data.count(b"\n")
+        if data[-1] != 10:  # finish the last line, even past the limit: it started before
+            track.line += 1
             data += f.readline()
-        pos += len(data)
-        yield data[3:] if first and data.startswith(_BOM) else data
-        first = False
+        read += len(data)
+        yield data[3:] if bom and data.startswith(_BOM) else data
+        track.done, bom = track.line, False
 
 
-def _line_base(f, pos: int):
+def _line_base(path: str, fmt: str, pos: int, storage_options) -> Callable[[], int]:
     """A function giving the number of lines before byte pos; counted once, only if asked."""
     cache = []
 
     def base() -> int:
         if not cache:
-            here, left, n = f.tell(), pos, 0
-            f.seek(0)
-            while left > 0 and (chunk := f.read(min(_CHUNK, left))):
-                n, left = n + chunk.count(b"\n"), left - len(chunk)
-            f.seek(here)
+            opened = open_stream(path, fmt, storage_options) if fmt in COMPRESSED \
+                else open_binary(path, storage_options)
+            n, left = 0, pos
+            with opened as f:
+                while left > 0 and (chunk := f.read(min(_CHUNK, left))):
+                    n, left = n + chunk.count(b"\n"), left - len(chunk)
             cache.append(n)
         return cache[0]
     return (lambda: 0) if pos == 0 else base
@@ -334,21 +351,23 @@ def _line_docs(blocks, report, base) -> Iterator[str | Skip]:
         done += len(lines)
 
 
-def _unit_lines(blocks, f, more) -> Iterator[tuple[str | None, str | None]]:
+def _unit_lines(blocks, f, more, track: _Track) -> Iterator[tuple[str | None, str | None]]:
     """(line, utf8 error) for the unit's lines, then for the lines past stop while more()."""
     for data in blocks:
         lines, bad = _lines(data)
         for i, line in enumerate(lines):
             yield line, bad.get(i)
+    track.line = track.done + 1
     while more() and (raw := f.readline()):
         lines, bad = _lines(raw)
         yield lines[0], bad.get(0)
+        track.done, track.line = track.line, track.line + 1
 
 
-def _paragraph_docs(blocks, f, report, base, foreign: bool) -> Iterator[str | Skip]:
+def _paragraph_docs(blocks, f, report, base, foreign: bool, track: _Track) -> Iterator[str | Skip]:
     """Blocks of non-blank lines joined by "\\n"; foreign: the unit starts inside a paragraph."""
     doc, bad_at = [], None  # bad_at: (where, detail) of the paragraph's first undecodable line
-    for n, (line, error) in enumerate(_unit_lines(blocks, f, lambda: bool(doc))):
+    for n, (line, error) in enumerate(_unit_lines(blocks, f, lambda: bool(doc), track)):
         if line is not None and not line.strip(_WS):
             if doc:
                 yield _paragraph(doc, bad_at, report)
@@ -373,103 +392,3 @@ def _whole_file(data: bytes, report) -> str | Skip:
     except UnicodeDecodeError as e:
         line, column = data.count(b"\n", 0, e.start) + 1, e.start - data.rfind(b"\n", 0, e.start)
         return report(f"line {line}", "invalid_utf8", f"{e.reason} at column {column}")
-
-
-# ---- columnar: parquet, Arrow IPC streams --------------------------------------------------------
-
-
-@contextlib.contextmanager
-
-
-def _parquet(path: str, storage_options):
-    import pyarrow.parquet as pq
-    with (open_binary(path, storage_options) if is_url(path) else contextlib.nullcontext(path)) as src:
-        pf = pq.ParquetFile(src)
-        try:
-            yield pf
-        finally:
-            pf.close()
-
-
-@contextlib.contextmanager
-
-
-def _arrow_stream(path: str, storage_options):
-    """A RecordBatchStreamReader over a memory-mapped local file, or an fsspec file."""
-    import pyarrow as pa
-    source = open_binary(path, storage_options) if is_url(path) else pa.memory_map(path, "r")
-    with source:
-        yield pa.ipc.open_stream(source)
-
-
-def read_parquet(path: str, start: int, stop: int, config: SourceConfig,
-                 report: Report) -> Iterator[str | Skip]:
-    """The documents of row groups [start, stop) of a parquet file (stop -1: to the end)."""
-    key = config.text_key
-    with _parquet(path, config.storage_options) as pf:
-        md = pf.metadata
-        problem = _column_problem(pf.schema_arrow, key) if md.num_rows else ("empty_file", "0 rows")
-        if problem:
-            if start == 0:
-                yield report("file", *problem)
-            return
-        stop = md.num_row_groups if stop < 0 else stop
-        counts = [md.row_group(g).num_rows for g in range(stop)]
-        if min(counts, default=0) < 0:  # rows are numbered from these: they must be right
-            raise ValueError(f"damaged footer: row group {counts.index(min(counts))} has "
-                             f"{min(counts)} rows")
-        row = sum(counts[:start])
-        for g in range(start, stop):
-            texts = pf.read_row_group(g, columns=[key]).column(0).to_pylist()
-            if len(texts) != counts[g]:
-                raise ValueError(f"damaged file: row group {g} holds {len(texts)} rows, its "
-                                 f"footer says {counts[g]}")
-            yield from _column_docs(texts, row, f"row group {g}", key, report)
-            row += len(texts)
-
-
-def read_arrow(path: str, start: int, stop: int, config: SourceConfig,
-               report: Report) -> Iterator[str | Skip]:
-    """The documents of record batches [start, stop) of an Arrow IPC stream (stop -1: to the end)."""
-    key = config.text_key
-    with _arrow_stream(path, config.storage_options) as reader:
-        if problem := _column_problem(reader.schema, key):
-            if start == 0:
-                yield report("file", *problem)
-            return
-        row = 0
-        for b, batch in enumerate(reader):
-            if 0 <= stop <= b:  # past the unit; the first unit looks on for a row, to know
-                if start or row or batch.num_rows:  # whether the file is empty
-                    return
-                continue
-            if b >= start:
-                column = batch.column(key)
-                # an IPC stream has no checksum: damaged offsets would read out of bounds
-                column.validate(full=True)  # (a SystemError, or worse); now an ArrowInvalid
-                texts = column.to_pylist()
-                yield from _column_docs(texts, row, f"record batch {b}", key, report)
-            row += batch.num_rows
-        if start == 0 and not row:  # reached the end: the whole file holds no row
-            yield report("file", "empty_file", "0 rows")
-
-
-def _column_docs(texts: list, row: int, part: str, key: str, report: Report) -> Iterator[str | Skip]:
-    """The texts of one row group or batch; rows numbered from row + 1 within the file."""
-    for i, text in enumerate(texts):
-        yield text if text else report(f"row {row + i + 1} ({part})", *(
-            ("empty_document", f"{key!r} is empty") if text == "" else
-            ("non_string_field", f"{key!r} is null")))
-
-
-def _column_problem(schema, key: str) -> tuple[str, str] | None:
-    import pyarrow as pa
-    i = schema.get_field_index(key)
-    if i < 0:
-        return "missing_field", f"no column {key!r}; columns are {', '.join(schema.names[:8])}"
-    t = schema.field(i).type
-    t = t.value_type if pa.types.is_dictionary(t) else t
-    is_view = getattr(pa.types, "is_string_view", lambda _: False)  # pyarrow >= 16
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or is_view(t):
-        return None
-    return "non_string_field", f"column {key!r} has type {t}"

@@ -4,27 +4,31 @@ Formats, by extension: ``.txt`` (one document per file, per line or per paragrap
 ``SourceConfig.txt_mode``), ``.jsonl`` / ``.jsonl.gz`` / ``.jsonl.zst`` (one JSON object per line,
 text under ``text_key``), ``.parquet`` (column ``text_key``) and ``.arrow`` (an Arrow IPC stream,
 column ``text_key``). Local paths are read with ``open``; anything containing ``://`` goes through
-fsspec with ``storage_options``. The readers themselves live in ``tokenmill.readers``.
+fsspec (``tokenmill.io``) with ``storage_options``. The readers live in ``tokenmill.readers``
+(text) and ``tokenmill.columnar``; the shared types in ``tokenmill.records``.
 
 Hugging Face datasets. A directory holding a ``state.json`` with ``_data_files`` (what
 ``Dataset.save_to_disk`` writes) is a dataset: listing gives its ``data-*.arrow`` files, as
 ``state.json`` names them, and never descends into it for other files (``cache-*.arrow`` files
 there are not part of it). A walk or glob takes no other ``.arrow`` file, unless the pattern itself
 ends in ``.arrow``; a file named explicitly is always taken. A ``DatasetDict`` directory holds one
-dataset per split, so every split is listed: name ``dir/train`` for one.
+dataset per split, so every split is listed: name ``dir/train`` for one. What a walk or glob
+passes over (unsupported types, loose ``.arrow`` files) is counted by extension: ``Ignored``.
 
 Work units (see ``tokenmill.readers`` for the byte-range rules). A plain ``.jsonl``, or a ``.txt``
 in lines/paragraphs mode, is cut into byte ranges of about ``unit_bytes``; a range owns the records
-that *start* inside it. Parquet is cut by row groups, Arrow streams by record batches. Compressed
-files and ``.txt`` in file mode are one unit each (``stop=-1``: to the end).
+that *start* inside it. A ``.jsonl.gz`` / ``.jsonl.zst`` is cut into ranges of about ``unit_bytes``
+of decompressed text at line ends, by one pass over the stream; workers cannot seek in it, so the
+parent reads those units' bytes in order (``unit_payloads``) and ships them with the task
+(``read_unit(unit, config, payload)``). Parquet is cut by row groups, Arrow streams by record
+batches. A ``.txt`` in file mode is one unit (``stop=-1``: to the end); one of more than 64 MiB
+gets a warning (it becomes one document, tokenized whole).
 
-Bad input. Each problem has a reason from REASONS. Under ``on_error="raise"`` it raises
-``InputError`` naming the file and the 1-based line (or row); under ``"skip"`` a ``Skip`` takes
-the record's place in the stream. Empty documents are always a ``Skip``, never an error.
-File-level problems (empty, binary, missing or non-string column) are reported once, by the
-unit that starts at 0; "unreadable" is reported by every unit that fails to read. In a .jsonl a
-blank line (only spaces, tabs, CR, FF, VT) is ignored silently: trailing newlines are common.
-A UTF-8 byte-order mark is dropped in line-based modes and kept in .txt file mode (verbatim).
+Bad input: see ``tokenmill.records``. File-level problems (empty, binary, missing or non-string
+column) are reported once, by the unit that starts at 0; "unreadable" is reported by every unit
+that fails to read. In a .jsonl a blank line (only spaces, tabs, CR, FF, VT) is ignored silently:
+trailing newlines are common. A UTF-8 byte-order mark is dropped in line-based modes and kept in
+.txt file mode (verbatim).
 """
 
 from __future__ import annotations
@@ -32,134 +36,142 @@ from __future__ import annotations
 import glob as globlib
 import json
 import os
-import sys
-import zlib
+import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
-from tokenmill import readers
-from tokenmill.errors import ConfigError, InputError
+from tokenmill import columnar, readers
+from tokenmill.decompress import StreamPayloads
+from tokenmill.errors import InputError
+from tokenmill.io import file_size, filesystem, is_url
+from tokenmill.records import (COMPRESSED, EXTENSIONS, FORMATS, LONG_DOCUMENT, REASONS, Skip,
+                               SourceConfig, Unit, check_policy, describe, format_of,
+                               format_or_none, io_errors, problem)
 
-REASONS = ("malformed_json", "missing_field", "non_string_field", "invalid_utf8", "empty_document",
-           "empty_file", "no_match", "unreadable", "binary_file")
-FORMATS = ("txt", "jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow")
-_EXTENSIONS = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".txt", ".parquet", ".arrow")  # longest first
-_COLUMNAR = {"parquet": (readers.plan_parquet, readers.read_parquet),
-             "arrow": (readers.plan_arrow, readers.read_arrow)}
+__all__ = ["DATASET_STATE", "FORMATS", "Ignored", "Listing", "REASONS", "Skip", "SourceConfig",
+           "Unit", "dataset_files", "format_of", "list_files", "list_inputs", "needs_payload",
+           "plan_units", "read_documents", "read_unit", "unit_payloads"]
+
+_COLUMNAR = {"parquet": (columnar.plan_parquet, columnar.read_parquet),
+             "arrow": (columnar.plan_arrow, columnar.read_arrow)}
 DATASET_STATE = "state.json"  # Dataset.save_to_disk: {"_data_files": [{"filename": …}, …], …}
-_TXT_MODES = ("file", "lines", "paragraphs")
-_POLICIES = ("raise", "skip")
-_WHAT = {"malformed_json": "malformed JSON", "missing_field": "missing field",
-         "non_string_field": "text is not a string", "invalid_utf8": "invalid UTF-8",
-         "empty_document": "empty document", "empty_file": "empty file",
-         "no_match": "no file matched", "unreadable": "cannot read file",
-         "binary_file": "binary file, not text"}
-_FILE_HINT = {"no_match": "check the path or pattern", "unreadable": "check that it exists and is readable",
-              "missing_field": "choose the column with --text-key"}
+_WARNED: set[str] = set()
 
 
 @dataclass(frozen=True)
-class SourceConfig:
-    """How to read documents; checked on construction."""
+class Ignored:
+    """Files a directory walk or a glob passed over, counted by extension, with a few examples.
 
-    text_key: str = "text"
-    txt_mode: str = "file"
-    on_error: str = "raise"
-    unit_bytes: int = 16 << 20
-    storage_options: Mapping[str, Any] | None = None
-
-    def __post_init__(self):
-        if not isinstance(self.text_key, str) or not self.text_key:
-            raise ConfigError(f"text_key must be a non-empty string (got text_key={self.text_key!r})")
-        if self.txt_mode not in _TXT_MODES:
-            raise ConfigError(f"txt_mode must be one of {_TXT_MODES} (got txt_mode={self.txt_mode!r})")
-        _check_policy(self.on_error)
-        if isinstance(self.unit_bytes, bool) or not isinstance(self.unit_bytes, int) or self.unit_bytes < 1:
-            raise ConfigError(f"unit_bytes must be an int >= 1 (got unit_bytes={self.unit_bytes!r})")
-        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
-            raise ConfigError(f"storage_options must be a mapping or None "
-                              f"(got storage_options={self.storage_options!r})")
-
-
-@dataclass(frozen=True)
-class Unit:
-    """A piece of work: bytes [start, stop) of a text file, or row groups (parquet) or record
-    batches (Arrow stream) [start, stop). stop == -1 means to the end of the file.
+    str(Ignored.of(["d/a.md", "d/b.md", "d/c.csv"])) == "ignored 3 files: 2 .md, 1 .csv (e.g. d/a.md, d/b.md, d/c.csv)"
     """
 
-    path: str
-    start: int
-    stop: int
+    counts: tuple[tuple[str, int], ...] = ()  # (".md", 2), most common first
+    examples: tuple[str, ...] = ()  # the first three paths, sorted
+
+    @classmethod
+    def of(cls, paths: Sequence[str]) -> Ignored:
+        """The record of these passed-over paths."""
+        exts = Counter(os.path.splitext(p.rstrip("/").rpartition("/")[2])[1].lower() or "(no extension)"
+                       for p in paths)
+        return cls(tuple(sorted(exts.items(), key=lambda kv: (-kv[1], kv[0]))),
+                   tuple(sorted(paths)[:3]))
+
+    @property
+    def total(self) -> int:
+        """How many files were passed over."""
+        return sum(n for _, n in self.counts)
+
+    def __bool__(self) -> bool:
+        return bool(self.counts)
+
+    def summary(self) -> str:
+        """The counts alone: "2 .md, 1 .csv"."""
+        return ", ".join(f"{n} {ext}" for ext, n in self.counts)
+
+    def __str__(self) -> str:
+        if not self:
+            return "ignored 0 files"
+        n = self.total
+        return f"ignored {n} file{'s' * (n != 1)}: {self.summary()} (e.g. {', '.join(self.examples)})"
 
 
-@dataclass(frozen=True)
-class Skip:
-    """Something passed over: where is "line 12", "row 5 (row group 0)", "row 5 (record batch 0)"
-    or "file" (lines and rows 1-based)."""
+class Listing(NamedTuple):
+    """What inputs stand for: files to read (sorted, unique), skipped patterns, passed-over files."""
 
-    path: str
-    where: str
-    reason: str
-    detail: str
+    files: list[str]
+    skips: list[Skip]
+    ignored: Ignored
 
 
-def format_of(path: str) -> str:
-    """The format of a file, from its name: format_of("a/b.JSONL.zst") == "jsonl.zst"."""
-    fmt = _format_or_none(path)
-    if fmt is None:
-        raise InputError(f"{path}: unsupported file type; supported: {', '.join(_EXTENSIONS)}, "
-                         "or a Hugging Face dataset directory", path=path, where="file")
-    return fmt
+def list_inputs(inputs: str | os.PathLike | Sequence[str | os.PathLike], *, on_error: str = "raise",
+                storage_options: Mapping[str, Any] | None = None) -> Listing:
+    """Expand files, directories (recursively), globs and URLs into a Listing."""
+    check_policy(on_error)
+    patterns = [os.fspath(inputs)] if isinstance(inputs, (str, os.PathLike)) else list(map(os.fspath, inputs))
+    files, skips, passed = set(), [], []
+    for pattern in patterns:
+        before = len(passed)
+        found = (_expand_url(pattern, storage_options, passed) if is_url(pattern)
+                 else _expand_local(pattern, passed))
+        if not found:
+            here = Ignored.of(passed[before:])
+            detail = _no_match_detail(pattern) + (f"; found only {here.summary()}" if here else "")
+            skips.append(problem(pattern, on_error, "file", "no_match", detail))
+        files.update(found)
+    ignored = Ignored.of(sorted(set(passed)))
+    if not files:
+        raise InputError(f"no input file matched: {', '.join(patterns) or '(no inputs)'}; "
+                         f"supported files end in {', '.join(EXTENSIONS)}"
+                         + (f"; {ignored}" if ignored else ""), reason="no_match")
+    return Listing(sorted(files), skips, ignored)
 
 
 def list_files(inputs: str | os.PathLike | Sequence[str | os.PathLike], *, on_error: str = "raise",
                storage_options: Mapping[str, Any] | None = None) -> tuple[list[str], list[Skip]]:
-    """Expand files, directories (recursively), globs and URLs into (sorted unique files, skips)."""
-    _check_policy(on_error)
-    patterns = [os.fspath(inputs)] if isinstance(inputs, (str, os.PathLike)) else list(map(os.fspath, inputs))
-    files, skips = set(), []
-    for pattern in patterns:
-        found = _expand_url(pattern, storage_options) if readers.is_url(pattern) else _expand_local(pattern)
-        if not found:
-            skips.append(_problem(pattern, on_error, "file", "no_match", _no_match_detail(pattern)))
-        files.update(found)
-    if not files:
-        raise InputError(f"no input file matched: {', '.join(patterns) or '(no inputs)'}; "
-                         f"supported files end in {', '.join(_EXTENSIONS)}", reason="no_match")
-    return sorted(files), skips
+    """(files, skips) of list_inputs: what to read, without the passed-over files."""
+    listing = list_inputs(inputs, on_error=on_error, storage_options=storage_options)
+    return listing.files, listing.skips
 
 
 def plan_units(files: Sequence[str], config: SourceConfig) -> list[Unit]:
-    """Cut files into units, deterministically; any unit can be read on its own, in any process."""
-    units = []
-    for path in files:
-        fmt = format_of(path)
-        splittable = fmt == "jsonl" or (fmt == "txt" and config.txt_mode != "file")
-        if fmt not in _COLUMNAR and not splittable:
-            units.append(Unit(path, 0, -1))
-            continue
-        plan = _COLUMNAR[fmt][0] if fmt in _COLUMNAR else readers.plan_ranges
-        try:
-            units += [Unit(path, start, stop) for start, stop in plan(path, config)]
-        except _io_errors() as e:  # under "skip", read_unit meets the error again and reports it
-            _problem(path, config.on_error, "file", "unreadable", _describe(e))
-            units.append(Unit(path, 0, -1))
-    return units
+    """Cut files into units, deterministically; any unit can be read on its own, in any process
+    (a compressed stream's unit best with its payload, see unit_payloads)."""
+    return [unit for path in files for unit in _plan_file(path, format_of(path), config)]
 
 
-def read_unit(unit: Unit, config: SourceConfig) -> Iterator[str | Skip]:
-    """The unit's documents in file order, with a Skip in the place of each record passed over."""
-    report = partial(_problem, unit.path, config.on_error)
+def needs_payload(unit: Unit) -> bool:
+    """Whether unit_payloads reads this unit's bytes for its worker: a compressed stream's range
+    (a worker cannot seek in a gzip/zstd stream; without the payload it decompresses from 0)."""
+    return unit.stop >= 0 and format_or_none(unit.path) in COMPRESSED
+
+
+def unit_payloads(units: Sequence[Unit], first: int, config: SourceConfig) -> Iterator[bytes | None]:
+    """For units[first:], in order: the decompressed bytes of each unit that needs_payload, read in
+    one sequential pass per file (resuming at ``first`` decompresses and drops what precedes it),
+    else None (its worker reads it). None too when the bytes cannot be read: the unit's reader
+    then meets the error and reports it."""
+    with StreamPayloads(config.storage_options) as payloads:
+        for unit in units[first:]:
+            yield payloads.read(unit, format_of(unit.path)) if needs_payload(unit) else None
+
+
+def read_unit(unit: Unit, config: SourceConfig, payload: bytes | None = None) -> Iterator[str | Skip]:
+    """The unit's documents in file order, with a Skip in the place of each record passed over;
+    ``payload``: its bytes from unit_payloads (compressed streams only; None: read them here)."""
+    if payload is not None and not needs_payload(unit):
+        raise TypeError(f"{unit}: a payload is only for a compressed stream's unit")
+    report = partial(problem, unit.path, config.on_error)
     fmt = format_of(unit.path)
     try:
         if fmt in _COLUMNAR:
             yield from _COLUMNAR[fmt][1](unit.path, unit.start, unit.stop, config, report)
         else:
-            yield from readers.read_text(unit.path, unit.start, unit.stop, fmt, config, report)
-    except _io_errors() as e:
-        yield report("file", "unreadable", _describe(e))
+            yield from readers.read_text(unit, fmt, config, report, payload)
+    except io_errors() as e:
+        yield report("file", "unreadable", describe(e))
 
 
 def read_documents(inputs: str | os.PathLike | Sequence[str | os.PathLike],
@@ -168,8 +180,9 @@ def read_documents(inputs: str | os.PathLike | Sequence[str | os.PathLike],
     config = config or SourceConfig()
     files, skips = list_files(inputs, on_error=config.on_error, storage_options=config.storage_options)
     yield from skips
-    for unit in plan_units(files, config):
-        yield from read_unit(unit, config)
+    units = plan_units(files, config)
+    for unit, payload in zip(units, unit_payloads(units, 0, config)):
+        yield from read_unit(unit, config, payload)
 
 
 def dataset_files(directory: str, read: Callable[[str], bytes] | None = None) -> list[str] | None:
@@ -186,16 +199,44 @@ def dataset_files(directory: str, read: Callable[[str], bytes] | None = None) ->
     return [f"{directory.rstrip('/')}/{n}" for n in names]
 
 
+# ---- planning --------------------------------------------------------------------------------
+
+def _plan_file(path: str, fmt: str, config: SourceConfig) -> list[Unit]:
+    if fmt in COMPRESSED:
+        ranges, error = readers.plan_stream(path, fmt, config)
+        if error is not None:  # under "skip", the reader of the last range meets it again
+            problem(path, config.on_error, "file", "unreadable", describe(error))
+        return [Unit(path, start, stop, line) for start, stop, line in ranges]
+    if fmt == "txt" and config.txt_mode == "file":
+        _warn_if_long(path, config)
+        return [Unit(path, 0, -1)]
+    plan = _COLUMNAR[fmt][0] if fmt in _COLUMNAR else readers.plan_ranges
+    try:
+        return [Unit(path, start, stop) for start, stop in plan(path, config)]
+    except io_errors() as e:  # under "skip", read_unit meets the error again and reports it
+        problem(path, config.on_error, "file", "unreadable", describe(e))
+        return [Unit(path, 0, -1)]
+
+
+def _warn_if_long(path: str, config: SourceConfig) -> None:
+    """Warn once per file when a .txt read whole (txt_mode='file') is one huge document."""
+    try:
+        size = file_size(path, config.storage_options)
+    except io_errors():
+        return  # its reader reports it
+    message = (f"tokenmill: {path}: {size:,} bytes of text become ONE document "
+               f"(txt_mode='file'), tokenized whole in memory (~{size // 4:,} tokens of a typical "
+               "BPE); use txt_mode='lines' or 'paragraphs' (--txt-mode) to cut it into documents")
+    if size > LONG_DOCUMENT and message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=4)
+
+
 # ---- listing ---------------------------------------------------------------------------------
-
-def _format_or_none(path: str) -> str | None:
-    name = path.lower()
-    return next((ext[1:] for ext in _EXTENSIONS if name.endswith(ext)), None)
-
 
 def _walkable(path: str) -> bool:
     """A file a directory walk takes: a supported type, loose .arrow files excepted."""
-    return _format_or_none(path) not in (None, "arrow")
+    return format_or_none(path) not in (None, "arrow")
 
 
 def _has_magic(pattern: str) -> bool:
@@ -208,47 +249,48 @@ def _no_match_detail(pattern: str) -> str:
     return "no supported file inside" if os.path.isdir(pattern) else "not found, or no supported file inside"
 
 
-def _check_policy(on_error: str) -> None:
-    if on_error not in _POLICIES:
-        raise ConfigError(f"on_error must be 'raise' or 'skip' (got on_error={on_error!r})")
-
-
 def _read_local(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
 
 
-def _expand_local(pattern: str) -> list[str]:
+def _taken(paths: list[str], arrow_ok: bool, passed: list[str]) -> list[str]:
+    """The paths a walk or glob takes; the others are added to ``passed``."""
+    keep = [p for p in paths if _walkable(p) or (arrow_ok and format_or_none(p) == "arrow")]
+    passed += [p for p in paths if not (_walkable(p) or (arrow_ok and format_or_none(p) == "arrow"))]
+    return keep
+
+
+def _expand_local(pattern: str, passed: list[str]) -> list[str]:
     """Files a local path or glob stands for; a named file of unknown type is an error."""
     if not _has_magic(pattern):
         if os.path.isdir(pattern):
-            return _walk(pattern)
+            return _walk(pattern, passed)
         if not os.path.exists(pattern):
             return []
         format_of(pattern)  # raises for an unsupported type
         return [os.path.normpath(pattern)]
-    arrow_ok = pattern.lower().endswith(".arrow")
     matches = globlib.glob(pattern, recursive=True)
-    return [f for m in matches for f in (_walk(m) if os.path.isdir(m) else [os.path.normpath(m)])
-            if _walkable(f) or (arrow_ok and _format_or_none(f) == "arrow")]
+    found = [f for m in matches if os.path.isdir(m) for f in _walk(m, passed)]
+    files = [os.path.normpath(m) for m in matches if not os.path.isdir(m)]
+    return found + _taken(files, pattern.lower().endswith(".arrow"), passed)
 
 
-def _walk(root: str) -> list[str]:
+def _walk(root: str, passed: list[str]) -> list[str]:
     found = []
     for d, dirs, names in os.walk(root):
         if (data := dataset_files(d)) is not None:
             found += data
             dirs.clear()  # a dataset's folder holds nothing else to read
             continue
-        found += [os.path.join(d, n) for n in names if _walkable(n)]
+        found += _taken([os.path.join(d, n) for n in names], False, passed)
     return [os.path.normpath(f) for f in found]
 
 
-def _expand_url(url: str, storage_options) -> list[str]:
+def _expand_url(url: str, storage_options, passed: list[str]) -> list[str]:
     """Files an fsspec URL (file, directory or glob) stands for, as URLs."""
     try:
-        import fsspec.core
-        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        fs, root = filesystem(url, storage_options)
         if _has_magic(root):
             infos = fs.glob(root, detail=True)
         else:
@@ -259,20 +301,21 @@ def _expand_url(url: str, storage_options) -> list[str]:
             if infos[root]["type"] != "directory":
                 format_of(url)  # raises for an unsupported type
         arrow_ok = _has_magic(root) and root.lower().endswith(".arrow")
-        found = []
+        found, skipped = [], []
         for path, info in infos.items():
             if info["type"] == "directory":
-                found += _walk_fs(fs, path)
-            elif _walkable(path) or (arrow_ok and _format_or_none(path) == "arrow"):
-                found.append(path)
+                found += _walk_fs(fs, path, skipped)
+            else:
+                found += _taken([path], arrow_ok, skipped)
+        passed += [fs.unstrip_protocol(p) for p in skipped]
         return [fs.unstrip_protocol(p) for p in found]
     except (OSError, ValueError, ImportError) as e:
-        raise InputError(f"{url}: cannot list ({_describe(e)}); check the URL, storage_options "
+        raise InputError(f"{url}: cannot list ({describe(e)}); check the URL, storage_options "
                          "and that the fsspec backend is installed", path=url, where="file",
                          reason="unreadable") from e
 
 
-def _walk_fs(fs, root: str) -> list[str]:
+def _walk_fs(fs, root: str, passed: list[str]) -> list[str]:
     """_walk on an fsspec filesystem: dataset folders give their data files, nothing else."""
     files = fs.find(root)
     datasets = {}
@@ -281,34 +324,5 @@ def _walk_fs(fs, root: str) -> list[str]:
         if name == DATASET_STATE and (data := dataset_files(folder, fs.cat_file)) is not None:
             datasets[folder + "/"] = data
     inside = tuple(datasets)
-    return [p for p in files if _walkable(p) and not p.startswith(inside)] + \
+    return _taken([p for p in files if not p.startswith(inside)], False, passed) + \
         [f for data in datasets.values() for f in data]
-
-
-# ---- problems --------------------------------------------------------------------------------
-
-def _io_errors() -> tuple[type[BaseException], ...]:
-    """What reading a broken file may raise (pyarrow/zstandard ones only once they are loaded)."""
-    errors = [OSError, EOFError, ValueError, zlib.error]
-    for module, name in (("zstandard", "ZstdError"), ("pyarrow", "ArrowException")):
-        if module in sys.modules:
-            errors.append(getattr(sys.modules[module], name))
-    return tuple(errors)
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-def _problem(path: str, on_error: str, where: str, reason: str, detail: str) -> Skip:
-    """A Skip, or under on_error="raise" an InputError; empty documents are always a Skip."""
-    if on_error == "skip" or reason == "empty_document":
-        return Skip(path, where, reason, detail)
-    if where.startswith("line "):
-        place, hint = f"{path}:{where[5:]}", "fix the line"
-    elif where.startswith("row "):
-        place, hint = f"{path}, {where}", "fix the row"
-    else:
-        place, hint = path, _FILE_HINT.get(reason, "fix or remove the file") + ","
-    raise InputError(f"{place}: {_WHAT[reason]} ({detail}); {hint} or pass --on-error skip",
-                     path=path, where=where, reason=reason)

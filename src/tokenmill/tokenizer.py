@@ -1,8 +1,8 @@
 r"""Tokenizers behind one small protocol, chosen by a spec string.
 
-    spec                          kind             engine
+    spec                          kind             engine (tok.engine)
     "bytes" (the default)         "bytes"          UTF-8 bytes 0..255, EOS 256, BOS 257
-    ".../tokenizer.json", *.json  "hf"             "tiktoken" (fast path) or "tokenizers"
+    ".../tokenizer.json", *.json  "hf"             "fastokens", "tiktoken" or "tokenizers"
     ".../name.tiktoken"           "tiktoken"       tiktoken, from the local file only
     ".../name.model"              "sentencepiece"  sentencepiece
 
@@ -13,9 +13,11 @@ Text that contains special-token strings never raises: tiktoken files and senten
 as plain text; Hugging Face tokenizers split it into the added token, as `tokenizers` itself does.
 Lone surrogates are replaced by U+FFFD before encoding (in every engine, so they agree).
 
-A tokenizer.json runs on tiktoken, about 4x faster, when tokenmill.fastbpe can build an equivalent
-Encoding and prove it gives the same ids; otherwise on `tokenizers`, warning once to say why (the
-conditions are listed in tokenmill.fastbpe).
+A tokenizer.json runs on the fastest engine proven at load time to give the ids `tokenizers`
+gives (tokenmill.fastbpe: fastokens, then tiktoken, then `tokenizers` itself, warning once when
+it falls that far); ``engine=`` picks one by name ("hf": `tokenizers`). ``tok.engine`` says which
+runs and ``tok.engine_notes`` why faster ones were refused. The engine never changes the ids, so
+``identity()`` (what stores are fingerprinted by) leaves it out. Other files have one engine.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 import xxhash
 
 from tokenmill.errors import ConfigError, TokenizerError
-from tokenmill.fastbpe import NoFastPath, tiktoken_twin
+from tokenmill.fastbpe import ENGINE_CHOICES, NoFastPath, choose_engine, encode_np, scrub
 
 __all__ = ["Tokenizer", "encode_documents", "load_tokenizer", "token_dtype", "train_bpe"]
 
@@ -47,7 +49,8 @@ class Tokenizer(Protocol):
     """What tokenmill needs of a tokenizer: ids per text, EOS/BOS ids and a stable identity."""
 
     kind: str  # "hf" | "tiktoken" | "sentencepiece" | "bytes"
-    engine: str  # what runs the encoding: "tiktoken" | "tokenizers" | "sentencepiece" | "bytes"
+    engine: str  # what runs it: "fastokens" | "tiktoken" | "tokenizers" | "sentencepiece" | "bytes"
+    engine_notes: tuple[str, ...]  # why faster engines were refused (or "asked for: …")
     vocab_size: int  # max id + 1, special tokens included
     eos_id: int | None
     bos_id: int | None
@@ -66,17 +69,25 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
 
 
-def load_tokenizer(spec: str | os.PathLike = "bytes", *, fast: bool = True, eos: str | None = None,
-                   bos: str | None = None) -> Tokenizer:
-    """The tokenizer a spec names; eos=/bos= pick those tokens by their text.
+def load_tokenizer(spec: str | os.PathLike = "bytes", *, engine: str = "auto",
+                   eos: str | None = None, bos: str | None = None,
+                   fast: bool | str | None = None) -> Tokenizer:
+    """The tokenizer a spec names; engine= picks what runs a tokenizer.json ("auto": the fastest
+    proven identical; "fastokens", "tiktoken" or "hf" for that one or an error); eos=/bos= pick
+    those tokens by their text. fast= is the older spelling: False is engine "hf", a str an engine.
 
     load_tokenizer("bytes").vocab_size == 258
     """
     spec = os.fspath(spec)
+    engine = fast if isinstance(fast, str) else ("hf" if fast is False else engine)
+    if engine not in ENGINE_CHOICES + ("tokenizers",):
+        raise ConfigError(f"tokenizer engine must be one of {', '.join(ENGINE_CHOICES)} "
+                          f"(got {engine!r})")
     if spec == "bytes":
         if eos is not None or bos is not None:
             raise TokenizerError("the 'bytes' tokenizer has fixed ids EOS=256 and BOS=257; "
                                  f"drop eos=/bos= (got {eos=}, {bos=})")
+        one_engine(spec, "bytes", engine)
         return ByteTokenizer()
     loaders = {".json": HFTokenizer, ".tiktoken": TiktokenTokenizer,
                ".model": SentencePieceTokenizer}
@@ -88,8 +99,16 @@ def load_tokenizer(spec: str | os.PathLike = "bytes", *, fast: bool = True, eos:
     with open(spec, "rb") as f:
         data = f.read()
     if cls is HFTokenizer:
-        return HFTokenizer(spec, data, fast=fast, eos=eos, bos=bos)
+        return HFTokenizer(spec, data, engine=engine, eos=eos, bos=bos)
+    one_engine(spec, cls.engine, engine)
     return cls(spec, data, eos=eos, bos=bos)
+
+
+def one_engine(spec: str, own: str, engine: str) -> None:
+    """Check engine= for a tokenizer with one engine: "auto", "hf" (no substitute) or its own."""
+    if engine not in ("auto", "hf", "tokenizers", own):
+        raise TokenizerError(f"{spec!r} runs on {own} only (engine= chooses among engines for a "
+                             f"tokenizer.json); drop engine={engine!r} or use 'auto'")
 
 
 def encode_documents(tok: Tokenizer, texts: Sequence[str], *, add_eos: bool = True,
@@ -126,7 +145,7 @@ def encode_documents(tok: Tokenizer, texts: Sequence[str], *, add_eos: bool = Tr
 def train_bpe(texts: Iterable[str], vocab_size: int, *, out_path: str | os.PathLike) -> str:
     """Train a GPT-2-style byte-level BPE with <|endoftext|>, save it as tokenizer.json; its path.
 
-    load_tokenizer(train_bpe(texts, 32000, out_path="tokenizer.json")).engine == "tiktoken"
+    load_tokenizer(train_bpe(texts, 32000, out_path="tokenizer.json")).kind == "hf"
     """
     from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
 
@@ -146,26 +165,23 @@ def train_bpe(texts: Iterable[str], vocab_size: int, *, out_path: str | os.PathL
     return out_path
 
 
-def _scrub(text: str) -> str:
-    """Text with lone surrogates replaced by U+FFFD (what tiktoken does), so UTF-8 can hold it."""
-    if not isinstance(text, str):
-        raise TokenizerError(f"texts must be str (got {type(text).__name__})")
-    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-
-
 def _identity(kind: str, name: str, vocab_size: int, eos_id, bos_id, data: bytes | None) -> dict:
     return {"kind": kind, "name": name, "vocab_size": vocab_size, "eos_id": eos_id,
             "bos_id": bos_id, "file_xxh3": None if data is None else xxhash.xxh3_64(data).hexdigest()}
 
 
-def _reload(spec: str, kwargs: dict) -> Tokenizer:
-    return load_tokenizer(spec, **kwargs)
+def _reload(spec: str, kwargs: dict, notes: tuple[str, ...] | None = None) -> Tokenizer:
+    tok = load_tokenizer(spec, **kwargs)
+    if notes is not None:
+        tok.engine_notes = notes  # why the first load chose this engine, not "asked for"
+    return tok
 
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, EOS 256, BOS 257."""
 
     kind = engine = "bytes"
+    engine_notes = ()
     vocab_size, eos_id, bos_id = 258, 256, 257
     _special = {256: ENDOFTEXT, 257: "<|startoftext|>"}  # how decode shows them
 
@@ -177,7 +193,7 @@ class ByteTokenizer:
         try:
             return text.encode("utf-8")
         except UnicodeEncodeError:
-            return _scrub(text).encode("utf-8")
+            return scrub(text).encode("utf-8")
         except AttributeError:
             raise TokenizerError(f"texts must be str (got {type(text).__name__})") from None
 
@@ -208,6 +224,7 @@ class TiktokenTokenizer:
     """
 
     kind = engine = "tiktoken"
+    engine_notes = ()
 
     def __init__(self, path: str, data: bytes, *, eos: str | None, bos: str | None):
         import tiktoken
@@ -255,7 +272,7 @@ class TiktokenTokenizer:
         return token_id
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [_encode_np(self._enc, t, frozenset()) for t in texts]
+        return [encode_np(self._enc, t, frozenset()) for t in texts]
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._enc.decode(np.asarray(ids).tolist(), errors="replace")
@@ -269,14 +286,6 @@ class TiktokenTokenizer:
 
     def __repr__(self) -> str:
         return f"TiktokenTokenizer({self._spec!r})"
-
-
-def _encode_np(enc, text: str, allowed: frozenset) -> np.ndarray:
-    """One text through tiktoken as a uint32 array; encode_to_numpy skips Python lists."""
-    try:
-        return enc.encode_to_numpy(text, allowed_special=allowed, disallowed_special=())
-    except UnicodeEncodeError:  # encode_to_numpy lacks encode()'s surrogate fallback
-        return enc.encode_to_numpy(_scrub(text), allowed_special=allowed, disallowed_special=())
 
 
 def _openai_params(name: str, ranks: dict[bytes, int]) -> dict | None:
@@ -303,6 +312,7 @@ class SentencePieceTokenizer:
     """A sentencepiece model file; EOS is the model's own unless eos= names a piece."""
 
     kind = engine = "sentencepiece"
+    engine_notes = ()
 
     def __init__(self, path: str, data: bytes, *, eos: str | None, bos: str | None):
         import sentencepiece as spm
@@ -332,7 +342,7 @@ class SentencePieceTokenizer:
         try:
             ids = self._sp.encode(texts, out_type=int, num_threads=1)  # caller runs processes
         except (TypeError, UnicodeEncodeError, RuntimeError):
-            ids = self._sp.encode([_scrub(t) for t in texts], out_type=int, num_threads=1)
+            ids = self._sp.encode([scrub(t) for t in texts], out_type=int, num_threads=1)
         return [np.array(x, np.int32) for x in ids]
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
@@ -350,14 +360,14 @@ class SentencePieceTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer.json, run by tiktoken when it provably gives the same ids."""
+    """A Hugging Face tokenizer.json, run by the fastest engine proven to give its ids."""
 
     kind = "hf"
 
-    def __init__(self, path: str, data: bytes, *, fast: bool, eos: str | None, bos: str | None):
+    def __init__(self, path: str, data: bytes, *, engine: str, eos: str | None, bos: str | None):
         from tokenizers import Tokenizer as HFTok
 
-        self._spec, self._kwargs = path, {"fast": fast, "eos": eos, "bos": bos}
+        self._spec, self._kwargs = path, {"eos": eos, "bos": bos}
         self._data, self.name = data, os.path.basename(path)
         try:
             self._hf = HFTok.from_str(data.decode("utf-8"))
@@ -374,18 +384,20 @@ class HFTokenizer:
         if self.eos_id is None:
             raise TokenizerError(f"{path} has no EOS token; pass eos='…' "
                                  f"(its special tokens: {specials[:20]})")
-        self._enc, self._lut, self._allowed = None, None, frozenset()
-        self.engine, self.fallback_reason = "tokenizers", "fast=False"
-        if fast:
-            try:
-                self._enc, self._lut, self._allowed = tiktoken_twin(self._hf, config, self.name)
-                self.engine, self.fallback_reason = "tiktoken", None
-            except NoFastPath as e:
-                self.fallback_reason = str(e)
-                message = f"tokenmill: {path}: encoding with tokenizers, not tiktoken: {e}"
-                if message not in _WARNED:
-                    _WARNED.add(message)
-                    warnings.warn(message, stacklevel=3)
+        try:
+            self._engine, self.engine_notes = choose_engine(self._hf, data, config, self.name,
+                                                            engine)
+        except NoFastPath as e:
+            raise TokenizerError(f"{path}: engine {engine!r} cannot run it: {e}; use engine='auto' "
+                                 "(the fastest engine proven identical) or 'hf'") from None
+        self.engine = self._engine.name
+        self._kwargs["engine"] = "hf" if self.engine == "tokenizers" else self.engine
+        if engine == "auto" and self.engine == "tokenizers":
+            message = (f"tokenmill: {path}: encoding with tokenizers (slow): "
+                       + "; ".join(self.engine_notes))
+            if message not in _WARNED:
+                _WARNED.add(message)
+                warnings.warn(message, stacklevel=3)
 
     def _token_id(self, text: str | None, what: str, candidates: tuple, specials: list):
         if text is not None:
@@ -396,35 +408,29 @@ class HFTokenizer:
         found = [c for c in candidates if c in specials]
         return self._hf.token_to_id(found[0]) if found else None
 
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why faster engines were refused, in one line; None if the fastest one runs."""
+        return "; ".join(self.engine_notes) or None
 
     @property
     def tiktoken_encoding(self):
-        """The equivalent tiktoken ``Encoding`` when the fast path is on and its ranks are the
-        ids (no remapping table), else None."""
-        return self._enc if self._lut is None else None
+        """The equivalent tiktoken ``Encoding`` when tiktoken runs with ids = ranks, else None."""
+        e = self._engine
+        return e.enc if e.name == "tiktoken" and e.lut is None else None
+
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        if self._enc is not None:
-            ids = [_encode_np(self._enc, t, self._allowed) for t in texts]
-            return ids if self._lut is None else [self._lut[x] for x in ids]
-        return _hf_encode(self._hf, list(texts))
+        return self._engine.encode_batch(texts)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._hf.decode(np.asarray(ids).tolist(), skip_special_tokens=False)
 
-    def identity(self) -> dict:  # engine left out: both engines give the same ids
+    def identity(self) -> dict:  # engine left out: every engine gives the same ids
         return _identity("hf", self.name, self.vocab_size, self.eos_id, self.bos_id, self._data)
 
-    def __reduce__(self):
-        return _reload, (self._spec, self._kwargs)
+    def __reduce__(self):  # a worker re-creates (and re-proves) the very engine chosen here
+        return _reload, (self._spec, self._kwargs, self.engine_notes)
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self._spec!r}, engine={self.engine!r})"
 
-
-def _hf_encode(hf, texts: list) -> list[np.ndarray]:
-    batch = getattr(hf, "encode_batch_fast", hf.encode_batch)  # _fast: no offsets (tokenizers>=0.20)
-    try:
-        encodings = batch(texts, add_special_tokens=False)
-    except (TypeError, UnicodeEncodeError):  # lone surrogates reach Rust as invalid str
-        encodings = batch([_scrub(t) for t in texts], add_special_tokens=False)
-    return [np.array(e.ids, np.uint32) for e in encodings]

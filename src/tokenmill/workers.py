@@ -1,120 +1,117 @@
-"""Worker processes for the Loader (``worker_type="process"``), spawn-started.
+"""Worker processes for the Loader (``worker_type="process"``), started by ``procs.Worker``.
 
-Each worker rebuilds the same pure ``BatchPlan`` from a small spec, fills batches for the
-positions it is sent, and sends the arrays back through a pipe. No shared memory is used, so a
-crash of either side leaves no segment behind. A collector thread in the parent copies results
-into the loader's buffers and turns a worker's exception into the consumer's exception; a worker
-that dies becomes an error, never a hang.
+A worker is ``python -m tokenmill.child`` running ``serve``: it never re-runs the user's main
+module, so a script without ``if __name__ == "__main__":`` works. It rebuilds the parent's pure
+``BatchPlan`` from its ``PlanSpec`` — refusing stores that are not the ones the parent opened
+(``plan.check_identity``) — then fills the batches whose positions it is sent and sends the
+arrays back over its pipe, checking after each batch that the stores were not re-prepared
+meanwhile. No shared memory is used, so a crash of either side leaves nothing behind.
+
+In the parent, ``ProcessPool.submit`` sends a task to the least busy worker and returns a Future;
+a collector thread copies each result into the loader's buffer and completes the Future. A
+worker's exception becomes the consumer's (with the worker's traceback as its cause); a worker
+that dies becomes a WorkerError giving its real exit reason and the tail of its stderr — an
+error, never a hang.
+
+Messages, parent → worker: ``Fill``; worker → parent: ``Filled`` or ``FillFailed``, and a
+``procs.Failed`` when the worker could not build its plan (it then exits).
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import os
-import signal
 import threading
 import time
-import traceback
 from concurrent.futures import Future
-from multiprocessing import get_context
-from queue import Empty
+from dataclasses import dataclass
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection, wait
 
 import numpy as np
 
-
-class RemoteTraceback(Exception):
-    """The formatted traceback of an exception raised in a worker process."""
-
-    def __str__(self) -> str:
-        return self.args[0]
+from tokenmill.errors import WorkerError
+from tokenmill.plan import PlanSpec, plan_from_spec
+from tokenmill.procs import Failed, Worker, WorkerDied, stop_all
 
 
-@contextlib.contextmanager
-def children_ignore_sigint():
-    """Start worker processes inside this block: they ignore SIGINT from their first instruction.
+@dataclass(frozen=True)
+class Fill:
+    """Fill the batch rows of these global sample positions."""
 
-    A spawned child inherits an ignored SIGINT (and Python then leaves it ignored), so a Ctrl-C
-    cannot kill a worker half-way through its imports with a traceback; the parent alone decides
-    how to stop. Only the main thread may change handlers; elsewhere this does nothing. A Ctrl-C
-    in the few milliseconds a start takes is lost (press it again).
-    """
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is None:  # None: a handler we could not put back
-        yield
-        return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    task: int
+    positions: np.ndarray
+
+
+@dataclass(frozen=True)
+class Filled:
+    """The arrays of task ``task`` and the seconds the worker spent filling them."""
+
+    task: int
+    arrays: dict[str, np.ndarray]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class FillFailed:
+    """Task ``task`` raised; the worker carries on."""
+
+    task: int
+    failed: Failed
+
+
+def serve(conn: Connection, spec: PlanSpec) -> None:
+    """The body of a loader worker: rebuild the plan, then fill batches until the pipe closes."""
+    plan = plan_from_spec(spec)  # a failure here is sent to the parent as Failed by the child
     try:
-        yield
+        while True:
+            try:
+                task = conn.recv()
+            except EOFError:
+                return
+            conn.send(fill(plan, task))
     finally:
-        signal.signal(signal.SIGINT, old)
+        plan.close()
 
 
-def _plan_from_spec(spec: dict):
-    from tokenmill.loader import BatchPlan, LayoutConfig, _open_sources
-    config = LayoutConfig(seq_len=spec["seq_len"], layout=spec["layout"], seed=spec["seed"])
-    from tokenmill.store import TokenStore
-    stores = [TokenStore(**args) for args in spec["stores"]]
-    source = stores[0] if len(stores) == 1 else dict(zip(stores, spec["weights"]))
-    sources, weights = _open_sources(source, config, spec["cache_dir"])
-    return BatchPlan(sources, weights, np.dtype(spec["dtype"]))
-
-
-def _worker_main(spec: dict, tasks, results, parent: int) -> None:
-    import signal
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+def fill(plan, task: Fill) -> Filled | FillFailed:
+    """One task done: its arrays, or the exception it raised."""
     try:
-        plan = _plan_from_spec(spec)
-    except BaseException as e:  # report, then wait to be stopped
-        results.put((None, _pack_error(e), None))
-        plan = None
-    while (task := tasks.get()) is not None:
-        task_id, positions = task
-        if plan is None:
-            continue
-        try:
-            t0 = time.perf_counter()
-            out = plan.new_buffers(len(positions))
-            plan.fill(positions, out)
-            results.put((task_id, None, (out, time.perf_counter() - t0)))
-        except BaseException as e:
-            results.put((task_id, _pack_error(e), None))
+        t0 = time.perf_counter()
+        out = plan.new_buffers(len(task.positions))
+        plan.fill(task.positions, out)
+        plan.check_stores(every=0.0)  # after the reads: were they of the store the parent opened?
+        return Filled(task.task, out, time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - every failure goes to the consumer's next()
+        return FillFailed(task.task, Failed.of(e))
 
 
-def _exit_with_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(1)
-
-
-def _pack_error(e: BaseException) -> tuple:
-    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+def as_exception(failed: Failed) -> BaseException:
+    """The worker's exception, its traceback attached as the cause (as ``Failed.reraise``)."""
     try:
-        import pickle
-        pickle.dumps(e)
-        return (e, tb)
-    except Exception:
-        return (RuntimeError(f"{type(e).__name__}: {e}"), tb)
+        failed.reraise()
+    except BaseException as e:  # noqa: BLE001 - we want the object, not to raise it here
+        return e
+
+
+@dataclass
+class _Task:
+    future: Future
+    bufs: dict
+    worker: int
 
 
 class ProcessPool:
-    """A fixed set of spawn-started workers that fill batches; ``submit`` returns a Future."""
+    """A fixed set of loader workers that fill batches; ``submit`` returns a Future."""
 
-    def __init__(self, num_workers: int, spec: dict):
-        ctx = get_context("spawn")
-        self._tasks = ctx.Queue()
-        self._results = ctx.Queue()
-        self._procs = [ctx.Process(target=_worker_main, daemon=True, name=f"tokenmill-worker-{i}",
-                                   args=(spec, self._tasks, self._results, os.getpid()))
-                       for i in range(num_workers)]
-        with children_ignore_sigint():
-            for p in self._procs:
-                p.start()
+    def __init__(self, num_workers: int, spec: PlanSpec):
+        self._workers = [Worker(serve, spec, name=f"loader-{i}") for i in range(num_workers)]
+        self._send_locks = [threading.Lock() for _ in self._workers]
+        self._busy = [0] * num_workers  # tasks in flight, per worker
         self._ids = itertools.count()
-        self._pending: dict[int, tuple[Future, dict]] = {}
+        self._pending: dict[int, _Task] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = Pipe(duplex=False)
         self._error: BaseException | None = None
         self.assemble_s = 0.0  # seconds the workers spent filling batches
         self._collector = threading.Thread(target=self._collect, daemon=True,
@@ -122,82 +119,82 @@ class ProcessPool:
         self._collector.start()
 
     def submit(self, _fill, positions: np.ndarray, bufs: dict) -> Future:
-        """Ask a worker for the batch at ``positions``; the Future completes once ``bufs`` is filled."""
+        """Ask a worker for the batch at ``positions``; the Future completes once ``bufs`` is
+        filled (``_fill``, the thread pool's function, is not needed: workers have the plan)."""
         fut: Future = Future()
-        if self._error is not None:
-            fut.set_exception(self._error)
-            return fut
-        task_id = next(self._ids)
         with self._lock:
-            self._pending[task_id] = (fut, bufs)
-        self._tasks.put((task_id, positions))
+            if self._error is not None:
+                fut.set_exception(self._error)
+                return fut
+            task, w = next(self._ids), min(range(len(self._workers)), key=self._busy.__getitem__)
+            self._pending[task] = _Task(fut, bufs, w)
+            self._busy[w] += 1
+        try:
+            with self._send_locks[w]:
+                self._workers[w].send(Fill(task, positions))
+        except WorkerDied as e:
+            self._fail_all(_died(e))
         return fut
 
     def _collect(self) -> None:
-        while not self._stop.is_set():
-            try:
-                task_id, err, out = self._results.get(timeout=0.2)
-            except Empty:
-                self._check_alive()
-                continue
-            except (EOFError, OSError):
-                return
-            if task_id is None:  # a worker could not start
-                self._fail_all(_unpack_error(err))
-                continue
-            with self._lock:
-                fut, bufs = self._pending.pop(task_id, (None, None))
-            if fut is None or fut.cancelled():
-                continue
-            if err is not None:
-                fut.set_exception(_unpack_error(err))
-                continue
-            arrays, self.assemble_s = out[0], self.assemble_s + out[1]
-            for k, v in arrays.items():
-                bufs[k][...] = v
-            fut.set_result(None)
+        conns = {w.conn: i for i, w in enumerate(self._workers)}
+        while conns and not self._stop.is_set():
+            for conn in wait([*conns, self._wake_r], timeout=1.0):
+                if conn is self._wake_r or self._stop.is_set():
+                    return
+                i = conns[conn]
+                try:
+                    msg = self._workers[i].recv()
+                except WorkerDied as e:
+                    del conns[conn]
+                    if not self._stop.is_set():
+                        self._fail_all(_died(e))
+                    continue
+                self._deliver(i, msg)
 
-    def _check_alive(self) -> None:
-        dead = [p for p in self._procs if not p.is_alive()]
-        if dead and not self._stop.is_set():
-            p = dead[0]
-            self._fail_all(RuntimeError(f"loader worker {p.name} (pid {p.pid}) died with exit "
-                                        f"code {p.exitcode}; the loader cannot continue"))
+    def _deliver(self, worker: int, msg) -> None:
+        if isinstance(msg, Failed):  # the worker could not start; it exits
+            self._fail_all(as_exception(msg))
+            return
+        with self._lock:
+            task = self._pending.pop(msg.task, None)
+            self._busy[worker] -= 1
+        if task is None or not task.future.set_running_or_notify_cancel():
+            return  # cancelled: its buffers may be in use again, leave them alone
+        if isinstance(msg, FillFailed):
+            task.future.set_exception(as_exception(msg.failed))
+            return
+        for k, v in msg.arrays.items():
+            task.bufs[k][...] = v
+        self.assemble_s += msg.seconds
+        task.future.set_result(None)
 
     def _fail_all(self, exc: BaseException) -> None:
-        self._error = exc
         with self._lock:
+            if self._error is None:
+                self._error = exc
             pending, self._pending = self._pending, {}
-        for fut, _ in pending.values():
-            if not fut.done():
-                fut.set_exception(exc)
+        for task in pending.values():
+            if not task.future.done():
+                task.future.set_exception(self._error)
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = True) -> None:
-        """Stop the workers and the collector; idempotent."""
+        """Stop the workers and the collector; idempotent (``wait``: as ThreadPoolExecutor's)."""
         if self._stop.is_set():
             return
         self._stop.set()
-        for _ in self._procs:
-            try:
-                self._tasks.put(None)
-            except (OSError, ValueError):
-                pass
-        for p in self._procs:
-            p.join(timeout=2)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=2)
-        self._collector.join(timeout=2)
-        for q in (self._tasks, self._results):
-            q.close()
-            q.cancel_join_thread()
+        self._wake_w.send(None)
+        if threading.current_thread() is not self._collector:
+            self._collector.join(timeout=5)
+        stop_all(self._workers)
+        self._wake_r.close()
+        self._wake_w.close()
         with self._lock:
-            for fut, _ in self._pending.values():
-                fut.cancel()
-            self._pending.clear()
+            pending, self._pending = self._pending, {}
+        for task in pending.values():
+            task.future.cancel()
 
 
-def _unpack_error(err: tuple) -> BaseException:
-    exc, tb = err
-    exc.__cause__ = RemoteTraceback(f"\n\"\"\"\n{tb}\"\"\"")
-    return exc
+def _died(e: WorkerDied) -> WorkerError:
+    return WorkerError(f"a loader worker process died: {e}; the loader cannot continue — open a "
+                       "new Loader and load your last state_dict() to go on")

@@ -27,7 +27,7 @@ except ImportError:
 
 if atheris is not None:
     with atheris.instrument_imports():
-        from tokenmill import readers, sources  # noqa: F401  (readers: instrumented too)
+        from tokenmill import columnar, readers, records, sources  # noqa: F401  (instrumented too)
         from tokenmill.errors import InputError
 else:
     from tokenmill import sources
@@ -51,8 +51,9 @@ def one_input(data: bytes) -> None:
     config = sources.SourceConfig(on_error=policy, txt_mode=mode,
                                   unit_bytes=max(unit, len(data) // 200))
     try:
-        for unit_ in sources.plan_units([path], config):
-            for item in sources.read_unit(unit_, config):
+        units = sources.plan_units([path], config)  # compressed units: with their payloads, as prepare
+        for unit_, payload in zip(units, sources.unit_payloads(units, 0, config)):
+            for item in sources.read_unit(unit_, config, payload):
                 if isinstance(item, sources.Skip):
                     assert item.path == path and WHERE.fullmatch(item.where), item
                 else:

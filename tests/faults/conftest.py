@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import pytest
@@ -146,3 +149,53 @@ def child_env(tmpdir: Path, **extra) -> dict[str, str]:
 def program(*args) -> list[str]:
     """Command line of a child program from programs.py."""
     return [sys.executable, str(PROGRAMS), *map(str, args)]
+
+
+# ---- Ctrl-C -----------------------------------------------------------------------------------
+
+@dataclass
+class Interrupt:
+    """What a Ctrl-C did: the exit code, stderr, seconds from SIGINT to exit, and the processes and
+    /dev/shm names the program had right before it."""
+
+    code: int
+    err: str
+    seconds: float
+    kids: list[psutil.Process]
+    shm: set[str]
+
+
+def press_ctrl_c(cmd: list[str], env: dict, *, ready: Callable[[subprocess.Popen], None],
+                 delay: float, stdout=subprocess.PIPE, timeout: float = 10) -> Interrupt:
+    """Run ``cmd`` in its own session; once ``ready(proc)`` returns, wait ``delay`` seconds, then
+    press Ctrl-C as a terminal does (SIGINT to the whole foreground process group); its exit,
+    timed (killed if it takes over ``timeout`` s)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        ready(proc)
+        time.sleep(delay)
+        kids = descendants(proc.pid)
+        shm = shm_in_use([psutil.Process(proc.pid), *kids])
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=timeout)
+        seconds = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read()
+    for f in (proc.stdout, proc.stderr):
+        if f is not None:
+            f.close()
+    return Interrupt(code, err, seconds, kids, shm)
+
+
+def assert_nothing_left(kids: list[psutil.Process], shm: set[str], tmpdir: Path,
+                        what: str = "") -> None:
+    """After a program ended (Ctrl-C, kill -9, …): none of its workers ``kids`` outlived it, none
+    of its /dev/shm names ``shm`` and no temporary file under ``tmpdir`` is left behind."""
+    assert not survivors(kids), f"{what}orphans: {survivors(kids)}"
+    assert stale_shm(shm) == [], f"{what}stale shared memory"
+    assert files_under(tmpdir) == [], f"{what}temp files left: {files_under(tmpdir)}"

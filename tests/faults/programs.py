@@ -148,9 +148,10 @@ def tokenize_then_spawn(a: dict) -> None:
         for _, _ in zip(range(50), loader):
             pass
         import psutil
-        for c in psutil.Process().children(recursive=True):
-            kinds.add("spawn" if "spawn_main" in " ".join(c.cmdline()) or
-                      "resource_tracker" in " ".join(c.cmdline()) else "fork")
+        for c in psutil.Process().children(recursive=True):  # a fresh interpreter, or a fork
+            line = " ".join(c.cmdline())
+            kinds.add("spawn" if "tokenmill.child" in line or "spawn_main" in line or
+                      "resource_tracker" in line else "fork")
     print(json.dumps({"done": True, "child_kinds": sorted(kinds)}), flush=True)
 
 

@@ -280,8 +280,9 @@ def read_all(path: Path, config: sources.SourceConfig) -> tuple[list, InputError
     Anything but an InputError fails the test right here."""
     items: list[tuple] = []
     try:
-        for unit in sources.plan_units([str(path)], config):
-            for x in sources.read_unit(unit, config):
+        units = sources.plan_units([str(path)], config)  # compressed units: with payloads, as prepare
+        for unit, payload in zip(units, sources.unit_payloads(units, 0, config)):
+            for x in sources.read_unit(unit, config, payload):
                 if isinstance(x, sources.Skip):
                     assert x.path == str(path) and WHERE.fullmatch(x.where), x
                     assert x.reason in sources.REASONS, x

@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from conftest import write_positional_store
-from faults.conftest import (SIZE, child_env, descendants, files_under, program, record,
-                             shm_in_use, stale_shm, survivors)
+from faults.conftest import (SIZE, assert_nothing_left, child_env, descendants, files_under,
+                             program, record, shm_in_use)
 from faults.programs import digest
 from tokenmill import Loader
 
@@ -64,11 +64,8 @@ def test_kill9_training_20x_no_stale_shared_memory_no_restart_from_zero_no_repla
     pending = None  # the last killed run, checked for leftovers while the next one starts
 
     def check_left_behind(cycle, kids, shm, tmpdir):
-        # workers and multiprocessing's resource tracker notice their parent is gone and exit,
-        # the tracker unlinking the semaphores of the run's queues
-        assert not survivors(kids), f"cycle {cycle}: orphans after kill -9: {survivors(kids)}"
-        assert stale_shm(shm) == [], f"cycle {cycle}: stale shared memory"
-        assert files_under(tmpdir) == [], f"cycle {cycle}: temp files left: {files_under(tmpdir)}"
+        # workers notice their parent is gone and exit
+        assert_nothing_left(kids, shm, tmpdir, what=f"cycle {cycle}, after kill -9: ")
 
     def wait_then_kill(cycle, proc, t0):
         if cycle % 4 == 0:  # during start-up: imports, opening the stores, spawning workers

@@ -7,19 +7,17 @@ tokenizer deadlocks under fork; Ctrl-C during iteration; memory that grows over 
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
 import time
 
 import numpy as np
-import psutil
 import pytest
 
-from conftest import write_jsonl, write_positional_store
-from faults.conftest import (SIZE, add, child_env, descendants, files_under, program, record,
-                             shm_in_use, stale_shm, survivors)
+from conftest import take, write_jsonl, write_positional_store
+from faults.conftest import (SIZE, add, assert_nothing_left, child_env, press_ctrl_c, program,
+                             record)
 from tokenmill import Loader
 
 L = 8
@@ -39,15 +37,6 @@ def store_with(tmp_path, n_samples: int, shard_tokens: int, seed: int):
                                   shard_tokens=shard_tokens)
 
 
-def take(ld, n=None) -> list[np.ndarray]:
-    out = []
-    for i, b in enumerate(ld):
-        out.append(b["inputs"].copy())
-        if n is not None and i + 1 == n:
-            break
-    return out
-
-
 @pytest.mark.parametrize("n,batch,world", [(48, 4, 2), (49, 4, 2), (47, 4, 2), (53, 2, 3)])
 def test_epoch_boundary_no_off_by_one(tmp_path, n, batch, world):
     """Every sample of an epoch exactly once, the remainder dropped at the end only, the next
@@ -65,7 +54,7 @@ def test_epoch_boundary_no_off_by_one(tmp_path, n, batch, world):
         with make(r, epochs=2) as ld:
             assert ld.samples_per_epoch == n and len(ld) == n // gb
             assert ld.total_steps == 2 * n // gb
-            per_rank.append(take(ld))
+            per_rank.append([b["inputs"] for b in take(ld)])
     assert {len(x) for x in per_rank} == {2 * n // gb}  # every rank, the same steps
     # global order: step s holds rank 0's rows, then rank 1's, …
     starts = np.concatenate([np.concatenate([per_rank[r][s][:, 0] for r in range(world)])
@@ -79,7 +68,7 @@ def test_epoch_boundary_no_off_by_one(tmp_path, n, batch, world):
     assert len(starts) == 2 * n - (2 * n) % gb  # what is dropped: the last samples only
     # resume at every step within two global batches of the boundary, in a fresh loader
     with make(0, workers=0, epochs=None) as ref_ld:
-        ref = take(ref_ld, (n + 3 * gb) // gb)
+        ref = [b["inputs"] for b in take(ref_ld, (n + 3 * gb) // gb)]
     for step in range(max(0, n // gb - 2), n // gb + 2):
         with make(0, workers=0, epochs=None) as a:
             take(a, step)
@@ -88,7 +77,7 @@ def test_epoch_boundary_no_off_by_one(tmp_path, n, batch, world):
         # the step that starts the next epoch resumes in a loader with a worker process
         with make(0, workers=int(step == n // gb), epochs=None) as b:
             b.load_state_dict(state)
-            tail = take(b, 3)
+            tail = [x["inputs"] for x in take(b, 3)]
         assert all(np.array_equal(x, y) for x, y in zip(tail, ref[step:step + 3]))
     add("epoch boundary", "cases", 1)
     add("epoch boundary", "resumes_checked", 4)
@@ -149,27 +138,17 @@ def test_ctrl_c_during_iteration_exits_within_2s_and_leaves_nothing_behind(tmp_p
         tmp = tmp_path / f"tmp{i}"
         args = {"source": str(store), "seq_len": 256, "batch_size": 16,
                 "layout": ("concat", "packed")[i % 2], "num_workers": 2, "step_s": 0.002}
-        proc = subprocess.Popen(program("iterate", json.dumps(args)), env=child_env(tmp),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        try:
+
+        def ready(proc):
             assert proc.stdout.readline().strip() == "ready"
-            time.sleep(rng.uniform(0, 0.5))
-            kids = descendants(proc.pid)
-            shm = shm_in_use([psutil.Process(proc.pid), *kids])
-            t0 = time.monotonic()
-            os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole process group
-            code = proc.wait(timeout=10)
-            exits.append(time.monotonic() - t0)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        err = proc.stderr.read()
-        assert exits[-1] < 2.0, f"took {exits[-1]:.2f} s to stop after Ctrl-C"
-        assert code in (-signal.SIGINT, 1, 130), err
-        assert err.count("Traceback") == 1 and "KeyboardInterrupt" in err, err  # the user's own
-        assert not survivors(kids, timeout=1), survivors(kids)
-        assert stale_shm(shm) == [] and files_under(tmp) == []
+        hit = press_ctrl_c(program("iterate", json.dumps(args)), child_env(tmp), ready=ready,
+                           delay=rng.uniform(0, 0.5))
+        exits.append(hit.seconds)
+        assert hit.seconds < 2.0, f"took {hit.seconds:.2f} s to stop after Ctrl-C"
+        assert hit.code in (-signal.SIGINT, 1, 130), hit.err
+        # the user's own traceback, once: no worker prints one
+        assert hit.err.count("Traceback") == 1 and "KeyboardInterrupt" in hit.err, hit.err
+        assert_nothing_left(hit.kids, hit.shm, tmp)
     record("Ctrl-C loader", interrupts=SIZE.interrupts, slowest_exit_s=round(max(exits), 2),
            left_behind=0)
 

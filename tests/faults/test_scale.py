@@ -238,7 +238,7 @@ def check_index_structure(path: Path) -> None:
         lengths = np.asarray(idx.lengths[a:a + step], np.int64)
         want_ptr = ptr + 2 * np.concatenate([[0], np.cumsum(lengths[:-1])])
         assert np.array_equal(idx.pointers[a:a + step], want_ptr)
-        assert np.array_equal(idx.doc_idx[a:a + step], np.arange(a, a + len(lengths)))
+        assert np.array_equal(idx.doc_idx[a:a + len(lengths)], np.arange(a, a + len(lengths)))
         ptr = int(want_ptr[-1]) + 2 * int(lengths[-1])
     assert int(idx.doc_idx[N1]) == N1
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from tokenmill import pack
 from tokenmill.errors import ConfigError
-from tokenmill.loader import BatchPlan, LayoutConfig, SampleSource
+from tokenmill.plan import BatchPlan, LayoutConfig, SampleSource
 from tokenmill.store import TokenStore
 
 __all__ = ["TokenSource", "source"]

@@ -9,20 +9,21 @@ depends on the token count of everything before it: no task can know it alone. S
 
 1. *stage* (a task per unit; the units of ``sources.plan_units``, as the local engine): tokenize the
    unit, write its tokens, then its document lengths and skips, to the staging folder (each file
-   atomically) and return the lengths and skips. A unit staged by an interrupted run with the same
-   resume key is read back instead of tokenized again.
+   atomically) and return them. A unit staged by an interrupted run with the same resume key is
+   read back instead of tokenized again.
 2. The driver walks the units in order with ``ShardWriter``'s rule (``cut``) and turns the stream
    into shards, each a list of (unit, token range) slices.
 3. *write* (a task per shard): read the slices, write ``shard-NNNNN.bin``/``.idx`` (atomically: a
    temporary name and a rename, or one object put for a URL), return its ``ShardInfo``.
-4. The driver commits finished shards in order with the local engine's progress records
-   (``.progress/shard-NNNNN.json``: entry, cursor, skips up to the cursor), so either engine
-   finishes the other's interrupted run; then the manifest, last; then staging is removed.
+4. The driver commits finished shards in order through the output's one writer
+   (``store.writer.StoreWriter``: the lock, ``.progress`` records, the manifest last) — the same
+   records as the local engine's, so either engine finishes the other's interrupted run.
 
 Staging, beside the shards (a shared filesystem or a URL every node reaches)::
 
     <out>/.progress/units/unit-NNNNNNN.bin    the unit's tokens, little-endian, store dtype
-    <out>/.progress/units/unit-NNNNNNN.json   {"key", "unit", "num_tokens", "lengths", "skips"}
+    <out>/.progress/units/unit-NNNNNNN.json   {"key", "unit", "num_tokens", "lengths", "skips",
+                                               "digest"}
 
 A unit's files are deleted once a committed shard's cursor has passed it. At most ``window``
 (2 × CPUs) tasks are in flight and at most ``window`` staged units wait for their turn, so the
@@ -38,22 +39,21 @@ import shutil
 from collections import deque
 from dataclasses import asdict, astuple, dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import xxhash
 
-from tokenmill import remote, sources
-from tokenmill.errors import ConfigError, InputError, StoreError, TokenmillError
-from tokenmill.prepare import (MANIFEST, PROGRESS, PrepareConfig, SkipLog,
-                               _Progress, _report, resolve_workers, start_run, summary_line,
-                               tokenize_unit, unit_weights)
-from tokenmill.store import (ShardInfo, atomic_write_bytes, atomic_write_json, build_manifest,
-                             idx_bytes, json_bytes, shard_name)
-from tokenmill.tokenizer import load_tokenizer
+from tokenmill import sources
+from tokenmill.errors import ConfigError, StoreError, TokenmillError
+from tokenmill.io import atomic_write_bytes, filesystem, is_url, json_bytes
+from tokenmill.prepare.run import Progress, Run, report, start_run, summary_line, unit_weights
+from tokenmill.prepare.tokenize import PrepareConfig, config_tokenizer, tokenize_unit
+from tokenmill.procs import resolve_workers
+from tokenmill.store.format import idx_bytes, shard_name
+from tokenmill.store.writer import PROGRESS, ShardInfo
 
 UNITS = "units"
-_TOKENIZERS: dict[tuple, Any] = {}  # per Ray worker process: loaded once, reused by its tasks
 
 
 def _ray():
@@ -82,7 +82,25 @@ class Job:
 
     def local(self, path: str) -> str:
         """``path`` as the driver meant it, from any working directory."""
-        return path if remote.is_url(path) else os.path.join(self.cwd, path)
+        return path if is_url(path) else os.path.join(self.cwd, path)
+
+
+class Staged(NamedTuple):
+    """A stage task's answer: unit ``index``'s document lengths, skips by document ordinal, its
+    token count and the xxh3 of its input bytes."""
+
+    index: int
+    lengths: np.ndarray
+    skips: list[tuple[int, sources.Skip]]
+    num_tokens: int
+    digest: str | None = None
+
+
+class Written(NamedTuple):
+    """A write task's answer: shard ``index`` is in place."""
+
+    index: int
+    info: ShardInfo
 
 
 def cut(lengths: np.ndarray, fill: int, shard_tokens: int) -> tuple[list[int], int]:
@@ -105,41 +123,35 @@ def cut(lengths: np.ndarray, fill: int, shard_tokens: int) -> tuple[list[int], i
 
 # ---- tasks ----------------------------------------------------------------------------------
 
-def stage_unit(job: Job, u: int, unit: sources.Unit
-               ) -> tuple[int, np.ndarray, list[tuple[int, sources.Skip]], int]:
+def stage_unit(job: Job, u: int, unit: sources.Unit) -> Staged:
     """Tokenize ``unit`` (number ``u``) into staging, or read back what an interrupted run
-    staged; returns (u, document lengths, skips by document ordinal, num_tokens)."""
+    staged."""
     dtype = np.dtype(job.dtype).newbyteorder("<")
     tokens_file, meta_file = job.unit_file(u, ".bin"), job.unit_file(u, ".json")
     meta = _read_json(meta_file, job.storage_options)
     if (meta is not None and meta["key"] == job.key and meta["unit"] == list(astuple(unit))
             and _size(tokens_file, job.storage_options) == meta["num_tokens"] * dtype.itemsize):
         skips = [(o, sources.Skip(**s)) for o, s in meta["skips"]]
-        return u, np.asarray(meta["lengths"], dtype=np.int64), skips, meta["num_tokens"]
-    res = tokenize_unit(replace(unit, path=job.local(unit.path)), job.config, job.storage_options,
-                        _worker_tokenizer(job))
+        return Staged(u, np.asarray(meta["lengths"], dtype=np.int64), skips, meta["num_tokens"],
+                      meta.get("digest"))
+    c = job.config
+    tok = config_tokenizer(c.tokenizer if c.tokenizer == "bytes" else job.local(c.tokenizer),
+                           c.fast_tokenizer, c.eos, c.bos)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one task per core already
+    res = tokenize_unit(replace(unit, path=job.local(unit.path)), c, job.storage_options, tok)
     skips = [(o, replace(s, path=unit.path)) for o, s in res.skips]  # named as the driver names it
     _put(tokens_file, res.tokens.astype(dtype).tobytes(), job.storage_options)
     meta = {"key": job.key, "unit": list(astuple(unit)), "num_tokens": len(res.tokens),
-            "lengths": res.lengths.tolist(), "skips": [(o, asdict(s)) for o, s in skips]}
+            "lengths": res.lengths.tolist(), "skips": [(o, asdict(s)) for o, s in skips],
+            "digest": res.digest}
     _put(meta_file, json_bytes(meta), job.storage_options)  # last: it vouches for the tokens
-    return u, res.lengths, skips, len(res.tokens)
-
-
-def _worker_tokenizer(job: Job):
-    """The job's tokenizer, loaded once per Ray worker process."""
-    c = job.config
-    spec = c.tokenizer if c.tokenizer == "bytes" else job.local(c.tokenizer)
-    if (key := (spec, c.fast_tokenizer, c.eos, c.bos)) not in _TOKENIZERS:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one task per core already
-        _TOKENIZERS[key] = load_tokenizer(spec, fast=c.fast_tokenizer, eos=c.eos, bos=c.bos)
-    return _TOKENIZERS[key]
+    return Staged(u, res.lengths, skips, len(res.tokens), res.digest)
 
 
 def write_shard(job: Job, index: int, pieces: list[tuple[int, int, int]],
-                lengths: np.ndarray) -> tuple[int, ShardInfo]:
-    """Write shard ``index`` from token ranges ``(unit, start, stop)`` of staged units; returns
-    (index, its ShardInfo) — the bytes ``ShardWriter`` writes for the same documents."""
+                lengths: np.ndarray) -> Written:
+    """Write shard ``index`` from token ranges ``(unit, start, stop)`` of staged units — the
+    bytes ``ShardWriter`` writes for the same documents."""
     dtype = np.dtype(job.dtype)
     tokens = np.empty(sum(b - a for _, a, b in pieces), dtype=dtype.newbyteorder("<"))
     at = 0
@@ -152,24 +164,24 @@ def write_shard(job: Job, index: int, pieces: list[tuple[int, int, int]],
     name = shard_name(index)
     _put(f"{job.out}/{name}.bin", data, job.storage_options)
     _put(f"{job.out}/{name}.idx", idx, job.storage_options)
-    return index, ShardInfo(name=name, num_documents=len(lengths), num_tokens=len(tokens),
-                            bin_bytes=data.nbytes, idx_bytes=len(idx),
-                            bin_xxh3=xxhash.xxh3_64_hexdigest(data),
-                            idx_xxh3=xxhash.xxh3_64_hexdigest(idx))
+    return Written(index, ShardInfo(name=name, num_documents=len(lengths), num_tokens=len(tokens),
+                                    bin_bytes=data.nbytes, idx_bytes=len(idx),
+                                    bin_xxh3=xxhash.xxh3_64_hexdigest(data),
+                                    idx_xxh3=xxhash.xxh3_64_hexdigest(idx)))
 
 
 def _put(path: str, data, storage_options) -> None:
     """Write a whole file atomically: temporary name and rename, or a single object put."""
-    if remote.is_url(path):
-        fs, p = remote._fs(path, storage_options)
+    if is_url(path):
+        fs, p = filesystem(path, storage_options)
         fs.pipe_file(p, bytes(data))
     else:
         atomic_write_bytes(path, data)
 
 
 def _read_into(path: str, offset: int, view: memoryview, storage_options) -> None:
-    if remote.is_url(path):
-        fs, p = remote._fs(path, storage_options)
+    if is_url(path):
+        fs, p = filesystem(path, storage_options)
         got = fs.cat_file(p, start=offset, end=offset + view.nbytes)
         n = len(got)
         view[:n] = got
@@ -184,8 +196,8 @@ def _read_into(path: str, offset: int, view: memoryview, storage_options) -> Non
 
 def _read_json(path: str, storage_options) -> dict | None:
     try:
-        if remote.is_url(path):
-            fs, p = remote._fs(path, storage_options)
+        if is_url(path):
+            fs, p = filesystem(path, storage_options)
             return json.loads(fs.cat_file(p))
         with open(path, "rb") as f:
             return json.loads(f.read())
@@ -195,8 +207,8 @@ def _read_json(path: str, storage_options) -> dict | None:
 
 def _size(path: str, storage_options) -> int | None:
     try:
-        if remote.is_url(path):
-            fs, p = remote._fs(path, storage_options)
+        if is_url(path):
+            fs, p = filesystem(path, storage_options)
             return int(fs.size(p))
         return os.path.getsize(path)
     except (FileNotFoundError, OSError):
@@ -204,8 +216,8 @@ def _size(path: str, storage_options) -> int | None:
 
 
 def _remove(path: str, storage_options, *, recursive: bool = False) -> None:
-    if remote.is_url(path):
-        fs, p = remote._fs(path, storage_options)
+    if is_url(path):
+        fs, p = filesystem(path, storage_options)
         try:
             fs.rm(p, recursive=recursive)
         except FileNotFoundError:
@@ -233,49 +245,37 @@ def prepare_on_ray(inputs: Sequence[str], *, out: str | os.PathLike, tokenizer: 
                     storage_options=storage_options, progress=progress, **options)
     if isinstance(run, dict):
         return run  # already complete
-    config, target, out, tok, dtype = run.config, run.target, run.out, run.tok, run.dtype
-    files, sizes, settings, key = run.files, run.sizes, run.settings, run.key
-    shards, cursor, skips = run.shards, run.cursor, run.skips
-    units = sources.plan_units(files, config.source_config(storage_options))
-    where = target.url if target else os.path.abspath(out)
-    job = Job(config=config, out=where, staging=f"{where}/{PROGRESS}/{UNITS}",
-              dtype=np.dtype(dtype).name, key=xxhash.xxh3_64_hexdigest(json_bytes(key)),
-              cwd=os.getcwd(), storage_options=storage_options)
-    if target:
-        fs, p = remote._fs(job.staging, storage_options)
-        fs.makedirs(p, exist_ok=True)  # a no-op on object stores
-    else:
-        Path(job.staging).mkdir(parents=True, exist_ok=True)
-    weights = unit_weights(units, sizes)
-    meter = _Progress(total=sum(weights), enabled=progress, done=sum(weights[:cursor[0]]))
-
-    def commit(info: ShardInfo, at: tuple[int, int]) -> None:
-        shards.append(info)
-        atomic_write_json(out / PROGRESS / f"{info.name}.json",
-                          {"shard": info.to_json(), "cursor": list(at), "skipped": skips.to_json()})
-
-    owned = _connect(ray, address, workers)
+    writer = run.writer
+    where = writer.remote.url if writer.remote else os.path.abspath(writer.out)
+    job = Job(config=run.config, out=where, staging=f"{where}/{PROGRESS}/{UNITS}",
+              dtype=writer.config.dtype,
+              key=xxhash.xxh3_64_hexdigest(json_bytes(writer.config.key)), cwd=os.getcwd(),
+              storage_options=storage_options)
+    weights = unit_weights(run.units, run.sizes)
+    meter = Progress(total=sum(weights), enabled=progress, done=sum(weights[:writer.cursor[0]]))
     try:
-        window = 2 * (workers if isinstance(workers, int) else
-                      max(1, int(ray.cluster_resources().get("CPU", 1))))
-        _run(ray, job, units, cursor, len(shards), skips, commit, meter, window, weights)
+        if is_url(job.staging):
+            fs, staging = filesystem(job.staging, storage_options)
+            fs.makedirs(staging, exist_ok=True)  # a no-op on object stores
+        else:
+            Path(job.staging).mkdir(parents=True, exist_ok=True)
+        owned = _connect(ray, address, workers)
+        try:
+            window = 2 * (workers if isinstance(workers, int) else
+                          max(1, int(ray.cluster_resources().get("CPU", 1))))
+            Driver(ray, job, run, window, meter, weights).run()
+        finally:
+            if owned:
+                ray.shutdown()
+        manifest = writer.finish(run.tok.identity(), run.settings)
+    except BaseException:
+        writer.abort()
+        raise
     finally:
         meter.close()
-        if owned:
-            ray.shutdown()
-    if not shards:
-        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(skips.by_reason.items())) or "none"
-        raise InputError(f"no documents found in {len(files)} input file(s) (skipped: {reasons})")
-    manifest = build_manifest(tokenizer=tok.identity(), dtype=dtype, shards=shards,
-                              settings=settings, skipped=skips.to_json())
-    if target:
-        target.write_manifest(json_bytes(manifest))
-        shutil.rmtree(out, ignore_errors=True)
-    else:
-        atomic_write_json(out / MANIFEST, manifest)
-        shutil.rmtree(out / PROGRESS, ignore_errors=True)
-    _remove(f"{where}/{PROGRESS}", storage_options, recursive=True)
-    _report(summary_line(manifest), progress)
+    if writer.remote is not None:
+        _remove(f"{where}/{PROGRESS}", storage_options, recursive=True)
+    report(summary_line(manifest), progress)
     return manifest
 
 
@@ -291,99 +291,118 @@ def _connect(ray, address: str | None, workers: int | str) -> bool:
     return True
 
 
-def _run(ray, job: Job, units: Sequence[sources.Unit], cursor: tuple[int, int], first_shard: int,
-         skips: SkipLog, commit, meter: _Progress, window: int, weights: list[float]) -> None:
-    """Stage units, cut shards in unit order, write them, commit them in shard order."""
-    stage = ray.remote(stage_unit).options(num_cpus=1)
-    write = ray.remote(write_shard).options(num_cpus=1)
-    job_ref = ray.put(job)
-    n_units, shard_tokens = len(units), job.config.shard_tokens
-    inflight: dict[Any, str] = {}  # ObjectRef → "stage" | "write"
-    staged: dict[int, tuple[np.ndarray, list]] = {}  # finished units not yet cut
-    ready: deque[tuple[int, list, np.ndarray, tuple[int, int]]] = deque()  # shards to write
-    finished: dict[int, ShardInfo] = {}
-    cursors: dict[int, tuple[int, int]] = {}
-    pending_skips: deque[tuple[int, int, sources.Skip]] = deque()
-    next_unit = frontier = cursor[0]
-    next_shard = commit_next = first_shard
-    pieces: list[tuple[int, int, int]] = []
-    piece_lengths: list[np.ndarray] = []
-    fill = 0
-    removed = cursor[0]  # staged units below this are gone
+class ShardPlan(NamedTuple):
+    """A shard the driver has cut: its index, token ranges of staged units, document lengths."""
 
-    def close(at: tuple[int, int]) -> None:
-        nonlocal next_shard, pieces, piece_lengths, fill
-        ready.append((next_shard, pieces, np.concatenate(piece_lengths), at))
-        cursors[next_shard] = at
-        next_shard, pieces, piece_lengths, fill = next_shard + 1, [], [], 0
+    index: int
+    pieces: list[tuple[int, int, int]]
+    lengths: np.ndarray
 
-    def consume(u: int, lengths: np.ndarray, unit_skips: list) -> None:
-        nonlocal fill
-        d0 = cursor[1] if u == cursor[0] else 0
-        t0 = int(lengths[:d0].sum())
-        lengths = lengths[d0:]
-        pending_skips.extend((u, o, s) for o, s in unit_skips if o >= d0)
+
+class Driver:
+    """Stages units, cuts shards in unit order, writes them, commits them in shard order."""
+
+    def __init__(self, ray, job: Job, run: Run, window: int, meter: Progress,
+                 weights: list[float]):
+        self.ray, self.job, self.writer, self.units = ray, job, run.writer, run.units
+        self.window, self.meter, self.weights = window, meter, weights
+        self.stage = ray.remote(stage_unit).options(num_cpus=1)
+        self.write = ray.remote(write_shard).options(num_cpus=1)
+        self.job_ref = ray.put(job)
+        self.start = run.writer.cursor  # where reading resumes: (unit, doc)
+        self.inflight: dict[Any, str] = {}  # ObjectRef → "stage" | "write"
+        self.staged: dict[int, Staged] = {}  # finished units not yet cut
+        self.ready: deque[ShardPlan] = deque()  # shards cut, to write
+        self.written: dict[int, ShardInfo] = {}
+        self.cursors: dict[int, tuple[int, int]] = {}
+        self.next_unit = self.frontier = self.removed = self.start[0]
+        self.next_shard = self.commit_next = len(run.writer.shards)
+        self.pieces: list[tuple[int, int, int]] = []
+        self.piece_lengths: list[np.ndarray] = []
+        self.fill = 0
+
+    def run(self) -> None:
+        """Until every unit is staged and every shard committed."""
+        try:
+            while self.next_unit < len(self.units) or self.inflight or self.ready:
+                self.launch()
+                if not self.inflight:
+                    continue
+                (ref,), _ = self.ray.wait(list(self.inflight), num_returns=1)
+                kind = self.inflight.pop(ref)
+                if kind == "write":
+                    self.on_written(_get(self.ray, ref))
+                else:
+                    self.on_staged(_get(self.ray, ref))
+        except BaseException:
+            for ref in self.inflight:
+                self.ray.cancel(ref)
+            raise
+
+    def launch(self) -> None:
+        """Start write tasks for cut shards, then stage tasks, within the window."""
+        while self.ready and len(self.inflight) < self.window:
+            plan = self.ready.popleft()
+            self.writer.pend(plan.index)  # before any of its files may appear
+            self.inflight[self.write.remote(self.job_ref, *plan)] = "write"
+        stages = sum(kind == "stage" for kind in self.inflight.values())
+        while (not self.ready and self.next_unit < len(self.units)
+               and len(self.inflight) < self.window and stages + len(self.staged) < self.window):
+            task = self.stage.remote(self.job_ref, self.next_unit, self.units[self.next_unit])
+            self.inflight[task] = "stage"
+            self.next_unit, stages = self.next_unit + 1, stages + 1
+
+    def on_staged(self, st: Staged) -> None:
+        """Cut the units that are now in order into shards."""
+        self.staged[st.index] = st
+        self.meter.update(self.weights[st.index], docs=len(st.lengths), tokens=st.num_tokens)
+        while self.frontier in self.staged:
+            self.consume(self.staged.pop(self.frontier))
+            self.frontier += 1
+        n_units = len(self.units)
+        if self.frontier == n_units and self.pieces:  # ShardWriter.finish: the last shard
+            if self.fill > 0:
+                self.close((n_units, 0))
+            self.pieces, self.piece_lengths = [], []  # trailing 0-token documents: dropped too
+
+    def consume(self, st: Staged) -> None:
+        """Unit ``st.index``'s documents (from the resume point on) into the shards being cut."""
+        u = st.index
+        d0 = self.start[1] if u == self.start[0] else 0
+        self.writer.note_unit(u, d0, st.skips, st.digest)
+        t0 = int(st.lengths[:d0].sum())
+        lengths = st.lengths[d0:]
         ends = np.concatenate([[0], np.cumsum(lengths)])
-        closes, after = cut(lengths, fill, shard_tokens)
+        closes, after = cut(lengths, self.fill, self.job.config.shard_tokens)
         start = 0
         for stop in closes:
-            pieces.append((u, t0 + int(ends[start]), t0 + int(ends[stop])))
-            piece_lengths.append(lengths[start:stop])
-            close((u, d0 + stop))
+            self.pieces.append((u, t0 + int(ends[start]), t0 + int(ends[stop])))
+            self.piece_lengths.append(lengths[start:stop])
+            self.close((u, d0 + stop))
             start = stop
         if start < len(lengths):
-            pieces.append((u, t0 + int(ends[start]), t0 + int(ends[-1])))
-            piece_lengths.append(lengths[start:])
-        fill = after
+            self.pieces.append((u, t0 + int(ends[start]), t0 + int(ends[-1])))
+            self.piece_lengths.append(lengths[start:])
+        self.fill = after
 
-    def commit_in_order() -> None:
-        nonlocal commit_next, removed
-        while commit_next in finished:
-            at = cursors.pop(commit_next)
-            while pending_skips and pending_skips[0][:2] < at:
-                skips.add(pending_skips.popleft()[2])
-            commit(finished.pop(commit_next), at)
-            commit_next += 1
-            for u in range(removed, at[0]):  # every shard that reads unit u is committed
+    def close(self, at: tuple[int, int]) -> None:
+        """The shard being cut ends here; reading resumes at ``at`` after it."""
+        self.ready.append(ShardPlan(self.next_shard, self.pieces,
+                                    np.concatenate(self.piece_lengths)))
+        self.cursors[self.next_shard] = at
+        self.next_shard, self.pieces, self.piece_lengths, self.fill = self.next_shard + 1, [], [], 0
+
+    def on_written(self, done: Written) -> None:
+        """Commit written shards in order; drop staged units no uncommitted shard reads."""
+        self.written[done.index] = done.info
+        while self.commit_next in self.written:
+            at = self.cursors.pop(self.commit_next)
+            self.writer.commit(self.written.pop(self.commit_next), at, in_place=True)
+            self.commit_next += 1
+            for u in range(self.removed, at[0]):  # every shard that reads unit u is committed
                 for ext in (".bin", ".json"):
-                    _remove(job.unit_file(u, ext), job.storage_options)
-            removed = max(removed, at[0])
-
-    try:
-        while next_unit < n_units or inflight or ready:
-            while ready and len(inflight) < window:
-                index, shard_pieces, lengths, _ = ready.popleft()
-                inflight[write.remote(job_ref, index, shard_pieces, lengths)] = "write"
-            stages = sum(kind == "stage" for kind in inflight.values())
-            while (not ready and next_unit < n_units and len(inflight) < window
-                   and stages + len(staged) < window):
-                inflight[stage.remote(job_ref, next_unit, units[next_unit])] = "stage"
-                next_unit, stages = next_unit + 1, stages + 1
-            if not inflight:
-                continue
-            (ref,), _ = ray.wait(list(inflight), num_returns=1)
-            kind = inflight.pop(ref)
-            if kind == "write":
-                index, info = _get(ray, ref)
-                finished[index] = info
-                commit_in_order()
-                continue
-            u, lengths, unit_skips, n_tokens = _get(ray, ref)
-            staged[u] = (lengths, unit_skips)
-            meter.update(weights[u], docs=len(lengths), tokens=n_tokens)
-            while frontier in staged:
-                consume(frontier, *staged.pop(frontier))
-                frontier += 1
-            if frontier == n_units and pieces:  # ShardWriter.finish: the last, partly filled shard
-                if fill > 0:
-                    close((n_units, 0))
-                pieces, piece_lengths = [], []  # trailing documents of 0 tokens: dropped there too
-        while pending_skips:
-            skips.add(pending_skips.popleft()[2])
-    except BaseException:
-        for ref in inflight:
-            ray.cancel(ref)
-        raise
+                    _remove(self.job.unit_file(u, ext), self.job.storage_options)
+            self.removed = max(self.removed, at[0])
 
 
 def _get(ray, ref):

@@ -26,6 +26,7 @@ when it is built: build it after ``init_process_group``).
 from __future__ import annotations
 
 import os
+import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
@@ -37,6 +38,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from tokenmill.errors import ConfigError
 from tokenmill.loader import STATE_VERSION, Loader
+from tokenmill.plan import consumed_of
+from tokenmill.store.reader import TokenStore
 
 __all__ = ["TokenDataset", "TorchBatches", "to_torch"]
 
@@ -221,15 +224,38 @@ class TorchBatches:
 
 
 def _loader_spec(loader: Loader) -> dict[str, Any]:
-    """What rebuilds ``loader`` in another process (rank and world size as resolved here)."""
-    stores = [s.store for s in loader.plan.sources]  # a TokenStore pickles as its open arguments
-    names = [str(s.path) for s in stores]
+    """What rebuilds ``loader`` anywhere (rank and world size as resolved here): how to open its
+    stores (paths and options, never the loader's own TokenStore objects, which its ``close()``
+    closes) and its settings."""
+    stores = tuple(s.store.open_args() for s in loader.plan.sources)
+    names = [a["path"] for a in stores]
     if len(set(names)) != len(names):
         raise ConfigError(f"a TokenDataset mixture needs distinct store paths (got {names})")
-    return {"source": dict(zip(stores, loader.weights)), "seq_len": loader.config.seq_len,
+    return {"stores": stores, "weights": tuple(loader.weights), "seq_len": loader.config.seq_len,
             "batch_size": loader.batch_size, "layout": loader.config.layout,
             "seed": loader.config.seed, "rank": loader.rank, "world_size": loader.world_size,
             "epochs": loader.epochs, "dtype": loader.plan.dtype.name, "cache_dir": loader.cache_dir}
+
+
+def _open_loader(spec: Mapping[str, Any]) -> Loader:
+    """A Loader (inline: no workers of its own) over stores it opens from ``spec``; they are
+    closed when the Loader is garbage-collected."""
+    settings = {k: v for k, v in spec.items() if k not in ("stores", "weights")}
+    stores = []
+    try:
+        for args in spec["stores"]:
+            stores.append(TokenStore(**args))
+        loader = Loader(dict(zip(stores, spec["weights"])), **settings, num_workers=0)
+    except BaseException:
+        _close_all(stores)
+        raise
+    weakref.finalize(loader, _close_all, stores)
+    return loader
+
+
+def _close_all(stores: list[TokenStore]) -> None:
+    for store in stores:
+        store.close()
 
 
 class TokenDataset(IterableDataset):
@@ -265,7 +291,7 @@ class TokenDataset(IterableDataset):
 
     def _get_loader(self) -> Loader:
         if self._loader is None or self._pid != os.getpid():  # fresh in each worker process
-            self._loader = Loader(**self._spec, num_workers=0)
+            self._loader = _open_loader(self._spec)
             self._pid = os.getpid()
             if self._loader.fingerprint != self.fingerprint:
                 raise ConfigError(f"the stores changed since the TokenDataset was made: fingerprint "
@@ -299,15 +325,7 @@ class TokenDataset(IterableDataset):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Start the next pass at ``state``: a Loader's or TokenDataset's, or one worker's own."""
-        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
-            raise ConfigError(f"unsupported loader state (want version {STATE_VERSION}): {state!r}")
-        if state.get("fingerprint") != self.fingerprint:
-            raise ConfigError(f"loader state fingerprint {state.get('fingerprint')!r} does not match "
-                              f"this dataset's {self.fingerprint!r}: the stores, seq_len, layout, "
-                              "seed or mixture weights differ from the run that saved it")
-        consumed = state.get("consumed_samples")
-        if not isinstance(consumed, int) or consumed < 0:
-            raise ConfigError(f"consumed_samples must be an int >= 0 (got {consumed!r})")
+        consumed = consumed_of(state, self.fingerprint, what="dataset")
         own = "worker" in state
         if own:
             info = get_worker_info()

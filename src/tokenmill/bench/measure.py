@@ -1,0 +1,131 @@
+"""What a bench child process measures of one contender, in this order:
+
+    step alone   --steps steps of a fixed CPU job (calibrated once to --step-ms), no loader
+    first batch  from building the loader to its first batch       time_to_first_batch_s
+    no model     batches drawn for --seconds, nothing else          tokens_per_s
+    with model   --steps steps of the same job, under a Meter       data_wait_pct, wait_p99_ms
+    slowdown     median step with the loader / median step alone − 1   step_slowdown_pct
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from tokenmill.bench.contenders import CONTENDERS, NOTES, REQUIRES
+from tokenmill.metrics import Meter, count_tokens
+
+WORK_FLOATS = 20_000  # the step's array: 160 kB, one np.sin pass ~0.15 ms, GIL released inside
+
+
+def step_work(passes: int, base: np.ndarray, work: np.ndarray) -> None:
+    """The simulated training step: the same ``passes`` of np.sin over a copy of ``base``, on
+    one thread (numpy releases the GIL inside, as a real step's kernels do)."""
+    work[:] = base
+    for _ in range(passes):
+        np.sin(work, out=work)
+
+
+def _arrays() -> tuple[np.ndarray, np.ndarray]:
+    base = np.random.default_rng(0).random(WORK_FLOATS)
+    return base, base.copy()
+
+
+def step_times(passes: int, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` simulated steps run back to back."""
+    base, work = _arrays()
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step_work(passes, base, work)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def calibrate_step(step_ms: float) -> int:
+    """Passes of ``step_work`` that take ``step_ms`` here, now (fastest of 5 probes)."""
+    probe = 50
+    fastest = min(step_times(probe, 5)) / probe
+    return max(1, round(step_ms / 1e3 / fastest))
+
+
+def tokens_per_s(it: Iterator, seconds: float) -> float:
+    """Tokens per second drawn from ``it`` for ``seconds`` with no consumer."""
+    n, t0 = 0, time.perf_counter()
+    while (dt := time.perf_counter() - t0) < seconds:
+        n += count_tokens(next(it))
+    return n / dt
+
+
+def measure_steps(it: Iterator, passes: int, steps: int) -> dict[str, Any]:
+    """The Meter's summary over ``steps`` simulated steps, each fed a batch from ``it``."""
+    meter = Meter(it)
+    base, work = _arrays()
+    for n, _batch in enumerate(meter):
+        if n == steps:
+            break
+        step_work(passes, base, work)
+    return meter.summary()
+
+
+def measure(name: str, store: str, *, seq_len: int, batch_size: int, seed: int, seconds: float,
+            steps: int, passes: int) -> dict[str, Any]:
+    """Every figure of one contender, measured in this process.
+
+    The step alone is timed before the loader exists and again after it is closed; the faster
+    median counts, so that another tenant's burst during one of the two does not read as speed.
+    """
+    before = 1e3 * statistics.median(step_times(passes, max(1, steps // 2)))
+    t0 = time.perf_counter()
+    it = CONTENDERS[name](store, seq_len, batch_size, seed)
+    next(it)
+    first = time.perf_counter() - t0
+    rate = tokens_per_s(it, seconds)
+    s = measure_steps(it, passes, steps)
+    it.close()
+    after = 1e3 * statistics.median(step_times(passes, max(1, steps // 2)))
+    alone = min(before, after)
+    return {"tokens_per_s": rate, "time_to_first_batch_s": first,
+            "data_wait_pct": s["data_wait_pct"], "wait_p99_ms": s["wait_p99_ms"],
+            "step_ms_alone": alone, "step_ms_alone_before_after": [before, after],
+            "step_ms_with_loader": s["step_p50_ms"],
+            "step_slowdown_pct": 100 * (s["step_p50_ms"] / alone - 1)}
+
+
+def measure_or_skip(name: str, spec: dict) -> dict[str, Any]:
+    """``measure``'s figures, or ``{"skipped": why}`` for a peer that is not installed, or
+    ``{"error": what}`` when the contender failed (the other contenders go on)."""
+    try:  # before the clock: importing a framework is not loading data
+        if name in REQUIRES:
+            importlib.import_module(REQUIRES[name])
+    except ImportError as e:
+        return {"skipped": f"not installed ({e})"}
+    try:
+        return measure(name, **spec)
+    except Exception as e:  # the report says which contender failed and why; the rest go on
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def child_result(name: str, spec: dict) -> dict[str, Any]:
+    """One contender's result record, as a bench child reports it."""
+    result = {"name": name, **measure_or_skip(name, spec), "note": NOTES.get(name),
+              "version": _version(REQUIRES[name]) if name in REQUIRES else None}
+    return {k: v for k, v in result.items() if v is not None}
+
+
+def serve_one(conn, name: str, spec: dict) -> None:
+    """A bench worker's target (``procs.Worker``): measure ``name``, send the result record."""
+    conn.send(child_result(name, spec))
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except Exception:
+        return None

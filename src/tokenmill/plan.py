@@ -1,0 +1,439 @@
+"""The batch plan: global sample positions → filled batch rows, a pure function of its inputs.
+
+Batch k of rank r is a function of (store fingerprints, layout config, seed, k, rank, world_size)
+alone. The global batch starting at sample ``consumed`` holds global positions
+[consumed, consumed + B·W); rank r takes its B of them (``sampler.batch_positions``), a mixture
+schedule sends each position to a store (``sampler.assign``), and the store's epoch permutation
+picks the sample (``sampler.sample_ids``)::
+
+    plan = BatchPlan.open("store/", LayoutConfig(seq_len=2048))
+    batch = batch_at(plan, consumed, batch_size=8, rank=0, world_size=1)   # dict of arrays
+
+Nothing here keeps state that changes the output: the Loader (state, prefetch, workers) and the
+streaming loader's later epochs both call ``batch_at``; a worker process rebuilds the same plan
+from its ``PlanSpec`` and proves it reads the stores the parent opened (``StoreIdentity``).
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, NamedTuple
+
+import numpy as np
+import xxhash
+
+from tokenmill import pack, sampler
+from tokenmill.errors import ConfigError, StoreError
+from tokenmill.io import FileId, file_id, redact
+from tokenmill.store.format import MANIFEST, read_manifest
+from tokenmill.store.reader import TokenStore
+
+__all__ = [
+    "BatchPlan", "LAYOUTS", "LayoutConfig", "MAX_CONSUMED", "PlanSpec", "STATE_VERSION",
+    "SampleSource", "StoreIdentity", "batch_at", "check_identity", "check_tokenizers",
+    "consumed_of", "fingerprint_of", "global_positions", "identity_of", "open_sources",
+    "plan_from_spec", "resolve_rank",
+]
+
+STATE_VERSION = 1  # of the Loader's state: {"version", "consumed_samples", "fingerprint"}
+LAYOUTS = ("concat", "packed")
+MAX_CONSUMED = 1 << 62  # global positions stay far inside int64 (the sampler's MAX_N)
+WATCH_INTERVAL_S = 0.05  # how often BatchPlan.check_stores looks at the manifests (one stat each)
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    """What decides the content of the sample stream (and so goes into the fingerprint)."""
+
+    seq_len: int
+    layout: str = "concat"
+    seed: int = 0
+
+    def __post_init__(self):
+        if not _is_int(self.seq_len) or self.seq_len < 1:
+            raise ConfigError(f"seq_len must be an int >= 1 (got seq_len={self.seq_len!r})")
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"layout must be one of {LAYOUTS} (got layout={self.layout!r})")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ConfigError(f"seed must be an int >= 0 (got seed={self.seed!r})")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Rank and world size: as given, else torch.distributed's if initialised, else RANK/WORLD_SIZE."""
+    if rank is None or world_size is None:
+        dist = sys.modules.get("torch.distributed")  # never import torch ourselves
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+        rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigError(f"need 0 <= rank < world_size (got rank={rank}, world_size={world_size})")
+    return rank, world_size
+
+
+def global_positions(consumed: int, *, batch_size: int, rank: int, world_size: int) -> np.ndarray:
+    """Rank's global sample positions of the global batch that starts at sample ``consumed``.
+
+    global_positions(8, batch_size=2, rank=1, world_size=3).tolist() == [10, 11]
+    """
+    return sampler.batch_positions(0, batch_size=batch_size, rank=rank, world_size=world_size,
+                                   start=consumed)
+
+
+def consumed_of(state: Mapping, fingerprint: str, *, what: str = "loader") -> int:
+    """``consumed_samples`` of a saved state, checked once: version 1, this ``fingerprint``, and an
+    integer in [0, 2**62] (numpy integers are fine; True, 1.0 and "8" are not); else ConfigError.
+
+    consumed_of({"version": 1, "consumed_samples": 8, "fingerprint": "f"}, "f") == 8
+    """
+    if not isinstance(state, Mapping) or not _is_int(state.get("version")) or \
+            state.get("version") != STATE_VERSION:
+        raise ConfigError(f"unsupported loader state (want version {STATE_VERSION}): {state!r}")
+    if state.get("fingerprint") != fingerprint:
+        raise ConfigError(f"loader state fingerprint {state.get('fingerprint')!r} does not match "
+                          f"this {what}'s {fingerprint!r}: the stores, seq_len, layout, seed or "
+                          "mixture weights differ from the run that saved it")
+    consumed = state.get("consumed_samples")
+    if not _is_int(consumed) or not 0 <= consumed <= MAX_CONSUMED:
+        raise ConfigError(f"consumed_samples must be an integer in [0, 2**62] (got {consumed!r}, "
+                          f"a {type(consumed).__name__}); pass the state_dict() a loader saved, "
+                          "unchanged")
+    return int(consumed)
+
+
+# ---- one store seen through a layout ------------------------------------------------------------
+
+class SampleSource:
+    """One store seen through a layout: how many samples an epoch has and how to fill rows."""
+
+    def __init__(self, store: TokenStore, config: LayoutConfig, salt: int, cache_dir=None):
+        self.store, self.config, self.salt = store, config, salt
+        L = config.seq_len
+        if config.layout == "concat":
+            if store.num_tokens < 2 * L:
+                raise ConfigError(f"{redact(str(store.path))}: {store.num_tokens:,} tokens is too "
+                                  f"few for seq_len={L} (need at least {2 * L:,})")
+            self.num_samples = pack.concat_num_samples(store.num_tokens, L)
+            self.packed = None
+        else:
+            self.packed = pack.load_or_build_packed(
+                Path(cache_dir) if cache_dir else Path(store.local_dir) / "layouts",
+                key=store.fingerprint, doc_lengths=store.doc_lengths, seq_len=L)
+            self.num_samples = self.packed.num_rows
+        self._shard_starts = store.shard_token_starts
+        self._shard_start_list = store.shard_token_starts.tolist()
+
+    def addresses(self, draws: np.ndarray) -> np.ndarray:
+        """Where this store's draws number ``draws`` (0, 1, 2, …) live: the first token of a
+        concat window, or the id of a packed row."""
+        ids = sampler.sample_ids(draws, n=self.num_samples, seed=self.config.seed, salt=self.salt)
+        if self.packed is not None:
+            return ids
+        epochs = sampler.epoch_of(draws, self.num_samples)
+        out = np.empty_like(ids)
+        for e in np.unique(epochs).tolist():  # the window offset moves with the epoch
+            sel = epochs == e
+            offset = pack.concat_offset(self.config.seq_len, seed=self.config.seed, epoch=e)
+            out[sel] = pack.concat_starts(ids[sel], seq_len=self.config.seq_len, offset=offset)
+        return out
+
+    def fill(self, addrs: np.ndarray, rows: np.ndarray, out: dict[str, np.ndarray]) -> None:
+        """Write the samples at ``addrs`` into rows ``rows`` of the batch arrays ``out``."""
+        if self.packed is not None:
+            pack.fill_packed_rows(self.packed, addrs, self.store.tokens, out, rows)
+            return
+        L = self.config.seq_len
+        shard = np.searchsorted(self._shard_starts, addrs, side="right") - 1
+        inputs, targets = out["inputs"], out["targets"]
+        starts, maps = self._shard_start_list, {}
+        for row, s, k in zip(rows.tolist(), addrs.tolist(), shard.tolist()):
+            local = s - starts[k]
+            data = maps.get(k)
+            if data is None:  # the store maps shards on demand, a bounded number at a time
+                data = maps[k] = self.store.shard(k)
+            if local + L + 1 <= len(data):  # the usual case: one shard, two slice copies
+                inputs[row] = data[local:local + L]
+                targets[row] = data[local + 1:local + L + 1]
+            else:
+                self.store.copy_tokens(s, inputs[row])
+                self.store.copy_tokens(s + 1, targets[row])
+
+
+def open_sources(source, config: LayoutConfig, cache_dir: str | os.PathLike | None = None
+                 ) -> tuple[list[SampleSource], list[float]]:
+    """The sample sources and weights of a store (path, URL, TokenStore) or a {store: weight}
+    mixture; refuses weights that are not finite and > 0, and stores of different tokenizers."""
+    if isinstance(source, Mapping):
+        items = list(source.items())
+        if not items:
+            raise ConfigError("a mixture needs at least one store (got an empty mapping)")
+    else:
+        items = [(source, 1.0)]
+    for s, w in items:
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not np.isfinite(w) or w <= 0:
+            raise ConfigError(f"mixture weights must be finite and > 0 (got {w!r} for {s})")
+    stores, opened = [], []
+    try:
+        for s, _ in items:
+            stores.append(s if isinstance(s, TokenStore) else TokenStore(s))
+            if stores[-1] is not s:
+                opened.append(stores[-1])
+        check_tokenizers(stores)
+        sources = [SampleSource(st, config, salt=i, cache_dir=cache_dir)
+                   for i, st in enumerate(stores)]
+    except BaseException:
+        for st in opened:  # refused: leave no store of ours open
+            st.close()
+        raise
+    return sources, [float(w) for _, w in items]
+
+
+def _token_identity(tokenizer: dict) -> dict:
+    """What makes two tokenizers give the same ids: all of the identity but its display name."""
+    return {k: v for k, v in tokenizer.items() if k != "name"}
+
+
+def check_tokenizers(stores: list[TokenStore]) -> None:
+    """Refuse a mixture of stores whose tokens come from different tokenizers (naming both)."""
+    first = stores[0]
+    for other in stores[1:]:
+        if _token_identity(other.tokenizer) != _token_identity(first.tokenizer):
+            raise ConfigError(
+                f"cannot mix stores made with different tokenizers: {redact(str(first.path))} "
+                f"has {_describe(first.tokenizer)}, {redact(str(other.path))} has "
+                f"{_describe(other.tokenizer)}; their token ids mean different things — prepare "
+                "every store of a mixture with the same tokenizer")
+
+
+def _describe(tokenizer: dict) -> str:
+    return json.dumps(tokenizer, sort_keys=True)
+
+
+def fingerprint_of(sources: list[SampleSource], weights: list[float], config: LayoutConfig) -> str:
+    """Hash of everything the sample stream depends on, except batch size and world size."""
+    core = {"stores": [(s.store.fingerprint, w) for s, w in zip(sources, weights)],
+            "seq_len": config.seq_len, "layout": config.layout, "seed": config.seed}
+    return xxhash.xxh3_64_hexdigest(json.dumps(core, sort_keys=True).encode())
+
+
+# ---- proving a store is the one that was opened -------------------------------------------------
+
+class StoreIdentity(NamedTuple):
+    """Which store was opened: its fingerprint, and (local stores) its manifest file's
+    ``FileId`` (device, inode, size, mtime): a cheap detector of a store re-prepared since."""
+
+    where: str
+    fingerprint: str
+    manifest: FileId | None
+
+
+def _manifest_stat(store: TokenStore) -> FileId | None:
+    if store.url is not None:
+        return None  # remote: shards come through a checksum-verified cache
+    try:
+        st = os.stat(Path(store.path) / MANIFEST)
+    except OSError as e:
+        raise StoreError(f"{redact(str(store.path))}/{MANIFEST}: {e.strerror}; the store was "
+                         "deleted, or re-prepared or replaced underneath this loader — open a new "
+                         "Loader once it is complete") from None
+    return file_id(st)
+
+
+def identity_of(store: TokenStore) -> StoreIdentity:
+    """The identity of an open store (one stat of its manifest)."""
+    return StoreIdentity(redact(str(store.path)), store.fingerprint, _manifest_stat(store))
+
+
+def _changed(where: str, was: str, now: str) -> StoreError:
+    return StoreError(f"{where}: the store changed since it was opened (fingerprint {now}, was "
+                      f"{was}): it was re-prepared or replaced underneath this loader, and its "
+                      "batches would no longer match the state's fingerprint — open a new Loader "
+                      "(a state saved from the old store does not resume on the new one)")
+
+
+def check_identity(store: TokenStore, want: StoreIdentity) -> StoreIdentity:
+    """``want`` if ``store`` is still what it names, else StoreError; a manifest rewritten with
+    the same fingerprint (the same tokens) passes, and its new identity is returned."""
+    if store.fingerprint != want.fingerprint:
+        raise _changed(want.where, want.fingerprint, store.fingerprint)
+    stat = _manifest_stat(store)
+    if stat == want.manifest:
+        return want
+    try:
+        now = read_manifest(Path(store.path))["fingerprint"]
+    except StoreError as e:
+        raise StoreError(f"{e}; the store was re-prepared or replaced underneath this loader") \
+            from None
+    if now != want.fingerprint:
+        raise _changed(want.where, want.fingerprint, now)
+    return want._replace(manifest=stat)
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """What a worker process rebuilds the same BatchPlan from (small; pickled once per worker)."""
+
+    stores: tuple[dict, ...]  # TokenStore open arguments (path or URL, cache, options)
+    weights: tuple[float, ...]
+    config: LayoutConfig
+    dtype: str
+    cache_dir: str | None
+    identities: tuple[StoreIdentity, ...]
+
+
+def plan_from_spec(spec: PlanSpec) -> BatchPlan:
+    """Reopen the stores of ``spec`` and build its plan; StoreError if a store is not the one the
+    parent opened (re-prepared or replaced since)."""
+    stores = [TokenStore(**args) for args in spec.stores]
+    try:
+        for store, want in zip(stores, spec.identities):
+            check_identity(store, want)
+        sources = [SampleSource(st, spec.config, salt=i, cache_dir=spec.cache_dir)
+                   for i, st in enumerate(stores)]
+    except BaseException:
+        for st in stores:
+            st.close()
+        raise
+    return BatchPlan(sources, list(spec.weights), np.dtype(spec.dtype), cache_dir=spec.cache_dir,
+                     closes=tuple(stores))
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+
+class BatchPlan:
+    """Pure mapping from global sample positions to filled batch rows (no state but a cache)."""
+
+    BLOCK = 4096  # positions resolved at once: one vectorized permutation call per block
+
+    def __init__(self, sources: list[SampleSource], weights: list[float], dtype: np.dtype,
+                 *, cache_dir: str | os.PathLike | None = None, closes: tuple = ()):
+        self.sources, self.weights = sources, list(weights)
+        self.schedule = sampler.mixture_schedule(weights) if len(sources) > 1 else None
+        self.dtype = np.dtype(dtype)
+        self.packed = sources[0].packed is not None
+        self.config = sources[0].config
+        self.seq_len = self.config.seq_len
+        self.cache_dir = None if cache_dir is None else str(cache_dir)
+        self.fingerprint = fingerprint_of(sources, self.weights, self.config)
+        self.samples_per_epoch = sum(s.num_samples for s in sources)
+        self.identities = [identity_of(s.store) for s in sources]
+        self._closes = list(closes)  # the stores this plan opened itself
+        self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._rows: dict[int, np.ndarray] = {}  # arange(n) per batch size: 0.2 µs a batch saved
+        self._lock = threading.Lock()
+        self._watched = time.monotonic()
+
+    @classmethod
+    def open(cls, source, config: LayoutConfig, *, dtype: str = "int32",
+             cache_dir: str | os.PathLike | None = None) -> BatchPlan:
+        """The plan of a store (path, URL, TokenStore) or a {store: weight} mixture; the stores
+        it opens itself are closed by ``close()``."""
+        if np.dtype(dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
+            raise ConfigError(f"dtype must be 'int32' or 'int64' (got dtype={dtype!r})")
+        sources, weights = open_sources(source, config, cache_dir)
+        given = {id(s) for s in (source if isinstance(source, Mapping) else [source])
+                 if isinstance(s, TokenStore)}
+        return cls(sources, weights, np.dtype(dtype), cache_dir=cache_dir,
+                   closes=tuple(s.store for s in sources if id(s.store) not in given))
+
+    def spec(self) -> PlanSpec:
+        """What a worker process rebuilds this plan from (``plan_from_spec``)."""
+        return PlanSpec(stores=tuple(s.store.open_args() for s in self.sources),
+                        weights=tuple(self.weights), config=self.config, dtype=self.dtype.name,
+                        cache_dir=self.cache_dir, identities=tuple(self.identities))
+
+    def new_buffers(self, batch_size: int) -> dict[str, np.ndarray]:
+        """Freshly allocated arrays for one batch."""
+        shape = (batch_size, self.seq_len)
+        bufs = {"inputs": np.empty(shape, self.dtype), "targets": np.empty(shape, self.dtype)}
+        if self.packed:
+            bufs.update(segment_ids=np.empty(shape, np.int32), positions=np.empty(shape, np.int32),
+                        loss_mask=np.empty(shape, np.uint8))
+        return bufs
+
+    def resolve(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(store id, address) of every global sample position."""
+        first, last = int(positions[0]), int(positions[-1])
+        b = first // self.BLOCK
+        if last // self.BLOCK == b and last - first == len(positions) - 1:  # the usual case
+            sid, addr = self._block(b)
+            lo = first - b * self.BLOCK
+            return sid[lo:lo + len(positions)], addr[lo:lo + len(positions)]
+        blocks = positions // self.BLOCK
+        parts = [self.resolve(positions[blocks == b]) for b in np.unique(blocks)]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        with self._lock:
+            if (hit := self._blocks.get(b)) is not None:
+                return hit
+        pos = np.arange(b * self.BLOCK, (b + 1) * self.BLOCK, dtype=np.int64)
+        if self.schedule is None:
+            sid, draws = np.zeros(len(pos), np.int64), pos
+        else:
+            sid, draws = sampler.assign(self.schedule, pos)
+        addr = np.empty(len(pos), np.int64)
+        for s in np.unique(sid).tolist():
+            sel = sid == s
+            addr[sel] = self.sources[s].addresses(draws[sel])
+        with self._lock:
+            if len(self._blocks) >= 8:  # a few blocks cover prefetch across a block boundary
+                self._blocks.pop(next(iter(self._blocks)))
+            self._blocks[b] = (sid, addr)
+        return sid, addr
+
+    def fill(self, positions: np.ndarray, out: dict[str, np.ndarray]) -> None:
+        """Fill ``out`` with the samples at global ``positions`` (one per row)."""
+        sid, addr = self.resolve(positions)
+        if self.schedule is None:
+            rows = self._rows.get(len(positions))
+            if rows is None:
+                rows = self._rows[len(positions)] = np.arange(len(positions))
+            self.sources[0].fill(addr, rows, out)
+            return
+        for s in np.unique(sid).tolist():
+            rows = np.flatnonzero(sid == s)
+            self.sources[s].fill(addr[rows], rows, out)
+
+    def check_stores(self, *, every: float = WATCH_INTERVAL_S) -> None:
+        """Raise the StoreError of a store that failed a background checksum, or (looked at
+        once per ``every`` seconds) was re-prepared or replaced since this plan opened it."""
+        for s in self.sources:
+            s.store.check()
+        now = time.monotonic()
+        if now - self._watched < every:
+            return
+        self._watched = now
+        for i, s in enumerate(self.sources):
+            self.identities[i] = check_identity(s.store, self.identities[i])
+
+    def close(self) -> None:
+        """Close the stores this plan opened itself; idempotent."""
+        closes, self._closes = self._closes, []
+        for store in closes:
+            store.close()
+        self._blocks = {}
+
+
+def batch_at(plan: BatchPlan, consumed: int, *, batch_size: int, rank: int = 0,
+             world_size: int = 1, out: dict[str, np.ndarray] | None = None) -> dict:
+    """Rank's batch of the global batch starting at sample ``consumed``: a pure function.
+
+    batch_at(plan, 0, batch_size=8)["inputs"].shape == (8, plan.seq_len)
+    """
+    out = plan.new_buffers(operator.index(batch_size)) if out is None else out
+    plan.fill(global_positions(consumed, batch_size=batch_size, rank=rank,
+                               world_size=world_size), out)
+    return out

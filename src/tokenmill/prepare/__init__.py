@@ -1,0 +1,59 @@
+"""Raw text → token store: ``prepare()``, and the names other code used from ``tokenmill.prepare``.
+
+The main process plans work units (``sources.plan_units``), keeps at most ``2 × workers`` units
+in flight in worker processes (``prepare.pool``; each worker reads *and* tokenizes a whole unit)
+and hands the results to the output's one writer (``store.writer.StoreWriter``) strictly in unit
+order. Shard boundaries depend only on the document stream, so the store is byte-identical for
+any worker count and either engine. An interrupted run resumes (see ``prepare.run``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from tokenmill.errors import ConfigError
+from tokenmill.prepare.pool import UnitPool, ordered_results
+from tokenmill.prepare.run import (Progress, Run, file_sizes, report, run_local, start_run,
+                                   summary_line, unit_weights)
+from tokenmill.prepare.tokenize import (DEFAULT_SHARD_TOKENS, PrepareConfig, UnitResult,
+                                        input_name, tokenize_unit)
+from tokenmill.procs import resolve_workers
+from tokenmill.store.format import MANIFEST
+from tokenmill.store.writer import MAX_EXAMPLES, PROGRESS, SkipLog
+
+__all__ = [
+    "DEFAULT_SHARD_TOKENS", "MANIFEST", "MAX_EXAMPLES", "PROGRESS", "PrepareConfig", "Progress",
+    "Run", "SkipLog", "UnitPool", "UnitResult", "file_sizes", "input_name", "ordered_results",
+    "prepare", "report", "resolve_workers", "run_local", "start_run", "summary_line",
+    "tokenize_unit", "unit_weights",
+]
+
+
+def prepare(inputs: str | Sequence[str], *, out: str | os.PathLike, tokenizer: str = "bytes",
+            workers: int | str = "auto", progress: bool | None = None, overwrite: bool = False,
+            storage_options: dict | None = None, engine: str = "local",
+            ray_address: str | None = None, **options: Any) -> dict:
+    """Tokenize ``inputs`` into a store at ``out``; resumes an interrupted run; returns the manifest.
+
+    ``out`` may be an fsspec URL (``s3://bucket/store``): the store is staged under
+    ``$TOKENMILL_CACHE_DIR/staging/``, each shard uploaded as it is committed and the manifest
+    last; rerunning the same command resumes. ``storage_options`` go to fsspec for inputs and out.
+    ``options`` are ``PrepareConfig`` fields (shard_tokens, text_key, txt_mode, on_error, …).
+    ``engine="ray"`` runs on Ray (``ray_address``: None, "auto" or "HOST:PORT"), same bytes:
+    see ``tokenmill.integrations.ray`` and docs/scale-out.md. Only one prepare writes an output
+    at a time: a second one fails at once with a ``ConcurrentWriterError`` naming the first's pid.
+    """
+    if engine == "ray":  # imported only here: the core never imports ray
+        from tokenmill.integrations.ray import prepare_on_ray
+        return prepare_on_ray(inputs, out=out, tokenizer=tokenizer, workers=workers,
+                              progress=progress, overwrite=overwrite,
+                              storage_options=storage_options, address=ray_address, **options)
+    if engine != "local":
+        raise ConfigError(f"engine must be 'local' or 'ray' (got {engine=!r})")
+    n_workers = resolve_workers(workers)
+    run = start_run(inputs, out=out, tokenizer=tokenizer, overwrite=overwrite,
+                    storage_options=storage_options, progress=progress, **options)
+    if isinstance(run, dict):
+        return run  # already complete
+    return run_local(run, n_workers)

@@ -1,0 +1,198 @@
+"""The ordered pool: work units read and tokenized by worker processes, results in unit order.
+
+Each worker is a ``procs.Worker`` (``python -m tokenmill.child``: it never re-runs the user's
+main module) running ``serve``: it loads the tokenizer once, then tokenizes each ``UnitTask`` it
+receives and answers ``UnitDone`` (or ``UnitFailed``). A unit goes to the least busy worker; at
+most ``2 × workers`` units are sent and not yet handed back, so memory stays bounded whatever the
+corpus size, and the results come back strictly in unit order — the store is the same for any
+worker count.
+
+    for u, result in ordered_results(units, first=0, workers=2, config=config):
+        ...                                     # u = 0, 1, 2, … in order
+
+    with UnitPool(2, config) as pool:           # the same, driven by hand (streaming does)
+        pool.submit(0, units[0]); done = pool.wait(0)
+
+A worker's exception is raised in the parent with the worker's traceback as its cause; a worker
+that dies is a ``WorkerError`` giving its real exit reason, the tail of its stderr and the pool
+owner's ``Advice`` (prepare: run the same command again; streaming: create the loader again).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_any
+from typing import Iterable, Iterator, Mapping, Sequence
+
+from tokenmill import sources
+from tokenmill.errors import WorkerError
+from tokenmill.prepare.tokenize import PrepareConfig, UnitResult, tokenize_unit, tokenizer_of
+from tokenmill.procs import Failed, Worker, WorkerDied, stop_all
+from tokenmill.tokenizer import Tokenizer
+
+UNITS_PER_WORKER = 2  # units sent and not yet handed back, per worker
+
+
+@dataclass(frozen=True)
+class UnitTask:
+    """Parent → worker: read (or take ``payload``) and tokenize unit ``index``."""
+
+    index: int
+    unit: sources.Unit
+    payload: bytes | None = None
+
+
+@dataclass(frozen=True)
+class UnitDone:
+    """Worker → parent: unit ``index`` tokenized in ``seconds``."""
+
+    index: int
+    result: UnitResult
+    seconds: float
+
+
+@dataclass(frozen=True)
+class UnitFailed:
+    """Worker → parent: reading or tokenizing unit ``index`` raised."""
+
+    index: int
+    failed: Failed
+
+
+def serve(conn, config: PrepareConfig, storage_options: Mapping | None) -> None:
+    """A worker's body: tokenize each ``UnitTask`` received until the connection closes."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    tok = tokenizer_of(config)  # raising here sends a Failed to the parent
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        t0 = time.perf_counter()
+        try:
+            res = tokenize_unit(task.unit, config, storage_options, tok, task.payload)
+        except Exception as e:  # noqa: BLE001 - every failure goes to the parent, in order
+            conn.send(UnitFailed(task.index, Failed.of(e)))
+            continue
+        conn.send(UnitDone(task.index, res, time.perf_counter() - t0))
+
+
+@dataclass(frozen=True)
+class Advice:
+    """What to tell the user after a worker of a pool died: when it was killed (SIGKILL,
+    SIGTERM: out of memory, an operator), starting over can help; when it crashed, it cannot."""
+
+    killed: str
+    crashed: str = "rerunning would fail the same way; its stderr above says why"
+
+
+PREPARE_ADVICE = Advice(killed="run the same command again: it resumes where it stopped (use "
+                               "fewer --workers if memory ran out)")
+
+
+def death_message(err: WorkerDied, unit: sources.Unit | None, *, name: str = "prepare",
+                  advice: Advice = PREPARE_ADVICE) -> str:
+    """What to tell the user about a dead worker of the ``name`` pool: why it died, where, and
+    the ``advice`` that fits (whether starting over can help)."""
+    text = str(err)
+    path = getattr(unit, "path", None)
+    where = f" while tokenizing {path}" if path is not None else ""
+    killed = any(f"by {s.name}" in text for s in (signal.SIGKILL, signal.SIGTERM))
+    return f"a {name} worker died{where}: {text}\n{advice.killed if killed else advice.crashed}"
+
+
+class UnitPool:
+    """``workers`` worker processes tokenizing units; see the module docstring. ``name`` names
+    the workers (``prepare-1``, …) and the pool in errors; ``advice`` is what a death says."""
+
+    def __init__(self, workers: int, config: PrepareConfig, storage_options: Mapping | None = None,
+                 *, name: str = "prepare", advice: Advice = PREPARE_ADVICE):
+        self.name, self.advice = name, advice
+        self.workers: list[Worker] = []
+        try:
+            for i in range(workers):
+                self.workers.append(Worker(serve, config, storage_options, name=f"{name}-{i + 1}"))
+        except BaseException:
+            self.close()
+            raise
+        self.sent: dict[Worker, dict[int, sources.Unit]] = {w: {} for w in self.workers}
+        self.done: dict[int, UnitDone | UnitFailed] = {}
+
+    def submit(self, index: int, unit: sources.Unit, payload: bytes | None = None) -> None:
+        """Send unit ``index`` to the least busy worker."""
+        w = min(self.workers, key=lambda w: len(self.sent[w]))
+        try:
+            w.send(UnitTask(index, unit, payload))
+        except WorkerDied as e:
+            raise WorkerError(self._death(e, unit)) from None
+        self.sent[w][index] = unit
+
+    def wait(self, index: int, timeout: float | None = None) -> UnitDone | None:
+        """Unit ``index``'s result once it is in (a worker's exception is raised here); None
+        if it is not within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while index not in self.done:
+            busy = {w.conn: w for w, units in self.sent.items() if units}
+            if not busy:
+                raise ValueError(f"unit {index} was never submitted")
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait_any(list(busy), timeout=left)
+            if not ready:
+                return None
+            for conn in ready:
+                self._receive(busy[conn])
+        msg = self.done.pop(index)
+        if isinstance(msg, UnitFailed):
+            msg.failed.reraise()
+        return msg
+
+    def _receive(self, w: Worker) -> None:
+        try:
+            msg = w.recv()
+        except WorkerDied as e:
+            units = self.sent[w]
+            raise WorkerError(self._death(e, units[min(units)] if units else None)) from None
+        if isinstance(msg, Failed):  # it could not start (e.g. its tokenizer)
+            msg.reraise()
+        del self.sent[w][msg.index]
+        self.done[msg.index] = msg
+
+    def _death(self, err: WorkerDied, unit: sources.Unit | None) -> str:
+        return death_message(err, unit, name=self.name, advice=self.advice)
+
+    def close(self) -> None:
+        """Stop the workers (they hold nothing worth waiting for); idempotent."""
+        workers, self.workers = self.workers, []
+        stop_all(workers, timeout=0.5)
+
+    def __enter__(self) -> UnitPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def ordered_results(units: Sequence[sources.Unit], first: int, workers: int,
+                    config: PrepareConfig, storage_options: Mapping | None = None,
+                    tokenizer: Tokenizer | None = None,
+                    payloads: Iterable[bytes | None] | None = None
+                    ) -> Iterator[tuple[int, UnitResult]]:
+    """(unit index, result) for units ``first``… in order; ``payloads`` (one per unit from
+    ``first``, None for a unit its worker reads itself) go with their units. One worker:
+    tokenized inline with ``tokenizer``."""
+    feed = iter(payloads) if payloads is not None else None
+    if workers <= 1:
+        for u in range(first, len(units)):
+            payload = next(feed) if feed is not None else None
+            yield u, tokenize_unit(units[u], config, storage_options, tokenizer, payload)
+        return
+    with UnitPool(workers, config, storage_options) as pool:
+        nxt = first
+        for u in range(first, len(units)):
+            while nxt < len(units) and nxt - u < UNITS_PER_WORKER * workers:
+                pool.submit(nxt, units[nxt], next(feed) if feed is not None else None)
+                nxt += 1
+            yield u, pool.wait(u).result

@@ -1,0 +1,224 @@
+"""A prepare run: set up (settings, inputs, the output's one writer), tokenize in order, finish.
+
+    run = start_run(inputs, out="store", tokenizer="bytes", overwrite=False,
+                    storage_options=None, progress=None)     # a dict: already complete
+    manifest = run_local(run, workers=2)
+
+``start_run`` is shared by the local engine (``run_local``: the ordered pool feeding the
+writer) and the Ray engine (``tokenmill.integrations.ray``), so both write the same store and
+either finishes the other's interrupted run. The output belongs to ``store.writer.StoreWriter``:
+its lock, its progress records, what it may delete.
+
+Resume key: the settings that decide the store's bytes, the unit size (cursors count units), and
+every input file with its size. Inputs are compared by content too: each progress record holds
+the xxh3 of the input bytes of the units its shard holds, and a rerun recomputes them — a shard
+whose input changed (even under the same size and mtime) is redone with everything after it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from tokenmill import sources
+from tokenmill.errors import ConfigError
+from tokenmill.io import file_size, is_url, redact
+from tokenmill.prepare.pool import ordered_results
+from tokenmill.prepare.tokenize import PrepareConfig, input_name, unit_digest
+from tokenmill.store.upload import RemoteOut
+from tokenmill.store.writer import StoreWriter, WriterConfig
+from tokenmill.tokenizer import Tokenizer, load_tokenizer, token_dtype
+
+
+@dataclass
+class Run:
+    """What both engines share once a prepare run is set up and its progress loaded."""
+
+    config: PrepareConfig
+    writer: StoreWriter
+    tok: Tokenizer
+    files: list[str]
+    sizes: dict[str, int]
+    settings: dict
+    storage_options: Mapping | None
+    progress: bool | None
+    units: list[sources.Unit]
+
+    @property
+    def where(self) -> str:
+        """The output, as messages name it."""
+        return self.writer.where
+
+
+def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, progress,
+              **options: Any) -> Run | dict:
+    """Check settings and inputs, take the output, load committed progress; the manifest if the
+    output already holds this very store."""
+    config = PrepareConfig(tokenizer=tokenizer, **options)
+    inputs = [os.fspath(i) for i in ([inputs] if isinstance(inputs, (str, os.PathLike))
+                                     else inputs)]
+    tok = load_tokenizer(config.tokenizer, fast=config.fast_tokenizer, eos=config.eos,
+                         bos=config.bos)
+    if config.add_bos and tok.bos_id is None:
+        raise ConfigError(f"add_bos=True but tokenizer {config.tokenizer!r} has no BOS token; "
+                          "pass bos='…'")
+    files, list_skips = sources.list_files(inputs, on_error=config.on_error,
+                                           storage_options=storage_options)
+    sizes = file_sizes(files, storage_options)
+    settings = config.settings(inputs, files, sizes)
+    key = {"settings": settings, "unit_bytes": config.unit_bytes,
+           "files": [[input_name(f), sizes[f]] for f in files]}
+    # out="s3://…": shards are staged locally, each uploaded as it is committed, manifest last
+    remote = RemoteOut(os.fspath(out), storage_options) if is_url(out) else None
+    units: list[sources.Unit] = []
+
+    def planned() -> list[sources.Unit]:
+        """The work units, planned once, on first need."""
+        if not units:
+            units.extend(sources.plan_units(files, config.source_config(storage_options)))
+        return units
+
+    writer = StoreWriter(remote.staging if remote else out,
+                         WriterConfig(dtype=token_dtype(tok.vocab_size).name,
+                                      shard_tokens=config.shard_tokens, key=key,
+                                      overwrite=overwrite),
+                         remote=remote, check=input_check(planned, storage_options, progress))
+    if writer.manifest is not None:
+        done = writer.manifest
+        writer.close()
+        report(f"{writer.where}: already complete ({done['num_documents']:,} documents, "
+               f"{done['num_tokens']:,} tokens)", progress)
+        return done
+    if writer.cursor == (0, 0) and not writer.shards:
+        for s in list_skips:
+            writer.skips.add(s)
+    try:
+        return Run(config, writer, tok, files, sizes, settings, storage_options, progress,
+                   planned())
+    except BaseException:
+        writer.close()
+        raise
+
+
+def input_check(units: Callable[[], list[sources.Unit]], storage_options,
+                progress: bool | None) -> Callable[[dict], bool]:
+    """``check(record)`` for the writer: True if the inputs of a committed shard are unchanged
+    (their bytes hash as recorded); else it says which file changed and returns False."""
+    def check(record: dict) -> bool:
+        """True if every unit of this committed shard still hashes as recorded."""
+        planned = units()
+        for u, want in sorted(record.get("inputs", {}).items(), key=lambda kv: int(kv[0])):
+            unit = planned[int(u)] if int(u) < len(planned) else None
+            if unit is None or unit_digest(unit, storage_options) != want:
+                what = redact(unit.path) if unit else f"work unit {u}"
+                report(f"note: {what} changed since the interrupted run (its bytes differ, "
+                       f"whatever its size and time say); redoing from {record['shard']['name']}",
+                       progress)
+                return False
+        return True
+    return check
+
+
+def run_local(run: Run, workers: int) -> dict:
+    """The local engine: units tokenized by ``workers`` processes, written in order; the
+    manifest."""
+    writer, units = run.writer, run.units
+    first = writer.cursor[0]
+    weights = unit_weights(units, run.sizes)
+    meter = Progress(total=sum(weights), enabled=run.progress, done=sum(weights[:first]))
+    payloads = sources.unit_payloads(units, first, run.config.source_config(run.storage_options))
+    try:
+        for u, res in ordered_results(units, first, workers, run.config, run.storage_options,
+                                      run.tok, payloads):
+            writer.add(u, 0, res.tokens, res.lengths, res.skips, res.digest)
+            meter.update(weights[u], docs=len(res.lengths), tokens=len(res.tokens))
+        manifest = writer.finish(run.tok.identity(), run.settings)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        payloads.close()  # the parent's open compressed streams
+        meter.close()
+    report(summary_line(manifest), run.progress)
+    return manifest
+
+
+def unit_weights(units: Sequence[sources.Unit], sizes: dict[str, int]) -> list[float]:
+    """Input bytes each unit stands for: its file's size shared equally among the file's units."""
+    count = Counter(u.path for u in units)
+    return [sizes.get(u.path, 0) / count[u.path] for u in units]
+
+
+def file_sizes(files: Sequence[str], storage_options) -> dict[str, int]:
+    """Each input file's size in bytes (0 if it cannot be read: the reader reports it)."""
+    sizes = {}
+    for f in files:
+        try:
+            sizes[f] = file_size(f, storage_options)
+        except OSError:
+            sizes[f] = 0
+    return sizes
+
+
+def summary_line(manifest: dict) -> str:
+    """One line on a finished store: documents, tokens, shards, skips."""
+    sk = manifest["skipped"]
+    reasons = ", ".join(f"{k} {v:,}" for k, v in sk["by_reason"].items())
+    return (f"done: {manifest['num_documents']:,} documents, {manifest['num_tokens']:,} tokens in "
+            f"{len(manifest['shards'])} shard(s); skipped {sk['total']:,}"
+            + (f" ({reasons})" if reasons else ""))
+
+
+def report(line: str, progress: bool | None) -> None:
+    """Print one line to stderr unless progress is off."""
+    if progress is not False:
+        print(redact(line), file=sys.stderr, flush=True)
+
+
+class Progress:
+    """A tqdm bar on a terminal, a plain line every 10 s otherwise, nothing when disabled."""
+
+    def __init__(self, total: float, enabled: bool | None, done: float = 0):
+        self.enabled = enabled is not False
+        tty = sys.stderr.isatty() if enabled is None else bool(enabled) and sys.stderr.isatty()
+        self.bar = None
+        self.t0 = self.last = time.monotonic()
+        self.total, self.done, self.start_done = total, done, done
+        self.docs = self.tokens = 0
+        if self.enabled and tty:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=done, unit="B", unit_scale=True,
+                            desc="prepare", dynamic_ncols=True, smoothing=0.1)
+
+    def update(self, nbytes: float, *, docs: int, tokens: int) -> None:
+        """Account for one finished unit."""
+        self.done += nbytes
+        self.docs += docs
+        self.tokens += tokens
+        if self.bar is not None:
+            self.bar.update(nbytes)
+            self.bar.set_postfix_str(f"{self.docs:,} docs, {self.tokens / 1e6:,.1f}M tok",
+                                     refresh=False)
+        elif self.enabled and time.monotonic() - self.last >= 10:
+            self.last = time.monotonic()
+            print(self.line(), file=sys.stderr, flush=True)
+
+    def line(self) -> str:
+        """The plain progress line."""
+        dt = max(time.monotonic() - self.t0, 1e-9)
+        rate = (self.done - self.start_done) / dt
+        pct = 100 * self.done / self.total if self.total else 100.0
+        eta = (self.total - self.done) / rate if rate > 0 else float("nan")
+        return (f"prepare: {pct:5.1f}% | {self.done / 1e6:,.1f} of {self.total / 1e6:,.1f} MB | "
+                f"{self.docs:,} docs | {self.tokens:,} tokens | {rate / 1e6:.2f} MB/s | "
+                f"ETA {eta:,.0f} s")
+
+    def close(self) -> None:
+        """Finish the bar."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

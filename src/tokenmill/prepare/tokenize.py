@@ -1,0 +1,148 @@
+"""One work unit → tokens: the config that decides a store's bytes, and tokenizing a unit.
+
+    config = PrepareConfig(tokenizer="bytes", shard_tokens=1 << 20)
+    res = tokenize_unit(sources.Unit("a.jsonl", 0, -1), config)   # UnitResult
+    res.lengths.sum() == len(res.tokens)
+
+``tokenize_unit`` runs in prepare's and streaming's worker processes and inline (one worker);
+a unit's bytes are read by the worker itself, or arrive as ``payload`` (a compressed input read
+as a stream by the parent).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import asdict, dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+import xxhash
+
+from tokenmill import sources
+from tokenmill.errors import ConfigError
+from tokenmill.io import CHUNK, filesystem, is_url, redact
+from tokenmill.tokenizer import Tokenizer, encode_documents, load_tokenizer, token_dtype
+
+DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB uint16 shards
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    """Everything that decides a store's bytes (worker count and progress display do not)."""
+
+    tokenizer: str = "bytes"
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    text_key: str = "text"
+    txt_mode: str = "file"
+    on_error: str = "raise"
+    add_eos: bool = True
+    add_bos: bool = False
+    eos: str | None = None
+    bos: str | None = None
+    fast_tokenizer: bool = True
+    unit_bytes: int = 4 << 20  # 4 MiB units: small enough that 2 workers end together
+
+    def __post_init__(self):
+        for name in ("shard_tokens", "unit_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1 (got {name}={value!r})")
+
+    def source_config(self, storage_options: Mapping | None = None) -> sources.SourceConfig:
+        """The part of the config the readers need."""
+        return sources.SourceConfig(text_key=self.text_key, txt_mode=self.txt_mode,
+                                    on_error=self.on_error, unit_bytes=self.unit_bytes,
+                                    storage_options=storage_options)
+
+    def settings(self, inputs: Sequence[str], files: Sequence[str], sizes: dict[str, int]) -> dict:
+        """What the manifest records: the config minus display-only fields, plus the inputs
+        (local paths normalised, URLs redacted: ``same_input`` spellings record the same)."""
+        s = asdict(self)
+        s.pop("fast_tokenizer")  # both engines give identical ids (proven at load time)
+        s.pop("unit_bytes")  # how work is split never changes the bytes (the resume key has it)
+        s["inputs"] = [input_name(i) for i in inputs]
+        s["num_files"] = len(files)
+        s["files_xxh3"] = xxhash.xxh3_64_hexdigest(
+            "\n".join(f"{input_name(f)}\t{sizes[f]}" for f in files).encode())
+        return s
+
+
+def input_name(path: str | os.PathLike) -> str:
+    """How an input is recorded: a local path absolute and normalised, a URL as given, redacted.
+
+    input_name("s3://k:secret@b/x.jsonl") == "s3://k:***@b/x.jsonl"
+    """
+    path = os.fspath(path)
+    return redact(path) if is_url(path) else os.path.abspath(path)
+
+
+@dataclass(frozen=True)
+class UnitResult:
+    """One tokenized unit: flat tokens, per-document lengths, skips by document ordinal, the
+    characters read, and an xxh3 of the input bytes the unit stands for (None: covered by the
+    file's first unit)."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    skips: list[tuple[int, sources.Skip]]
+    chars: int
+    digest: str | None = None
+
+
+@functools.lru_cache(maxsize=4)
+def config_tokenizer(spec: str, fast: bool, eos: str | None, bos: str | None) -> Tokenizer:
+    """The tokenizer of a config, loaded once per process."""
+    return load_tokenizer(spec, fast=fast, eos=eos, bos=bos)
+
+
+def tokenizer_of(config: PrepareConfig) -> Tokenizer:
+    """``config``'s tokenizer, loaded once per process."""
+    return config_tokenizer(config.tokenizer, config.fast_tokenizer, config.eos, config.bos)
+
+
+def tokenize_unit(unit: sources.Unit, config: PrepareConfig, storage_options: Mapping | None = None,
+                  tokenizer: Tokenizer | None = None, payload: bytes | None = None) -> UnitResult:
+    """Read one unit (or its ``payload``) and tokenize its documents (EOS/BOS as configured)."""
+    tok = tokenizer if tokenizer is not None else tokenizer_of(config)
+    source_config = config.source_config(storage_options)
+    digest = unit_digest(unit, storage_options)
+    texts: list[str] = []
+    skips: list[tuple[int, sources.Skip]] = []
+    for item in sources.read_unit(unit, source_config, payload):
+        if isinstance(item, sources.Skip):
+            skips.append((len(texts), item))
+        else:
+            texts.append(item)
+    tokens, lengths = encode_documents(tok, texts, add_eos=config.add_eos,
+                                       add_bos=config.add_bos, dtype=token_dtype(tok.vocab_size))
+    return UnitResult(tokens, lengths, skips, sum(map(len, texts)), digest)
+
+
+def unit_digest(unit: sources.Unit, storage_options: Mapping | None = None) -> str | None:
+    """xxh3 of the input bytes ``unit`` stands for (with its place), so that a resumed prepare
+    can tell that an input changed under the same size and mtime.
+
+    A byte range of a text file: those bytes. Any other unit (a whole file, row groups, part of
+    a compressed stream): the whole file, once, for the unit that starts at 0 — the others
+    return None. A URL: fsspec's ``ukey`` (ETag or size and time). None if it cannot be read.
+    """
+    h = xxhash.xxh3_64(f"{input_name(unit.path)}\t{unit.start}\t{unit.stop}\n".encode())
+    byte_range = sources.format_of(unit.path) in ("jsonl", "txt") and unit.stop != -1
+    if not byte_range and unit.start != 0:
+        return None
+    try:
+        if is_url(unit.path):
+            fs, p = filesystem(unit.path, storage_options)
+            h.update(str(fs.ukey(p)).encode())
+            return h.hexdigest()
+        with open(unit.path, "rb") as f:
+            f.seek(unit.start if byte_range else 0)
+            left = unit.stop - unit.start if byte_range else None
+            while chunk := f.read(CHUNK if left is None else min(CHUNK, left)):
+                h.update(chunk)
+                if left is not None and (left := left - len(chunk)) == 0:
+                    break
+    except (OSError, NotImplementedError):
+        return None  # the reader reports it (or skips it) on its own
+    return h.hexdigest()

@@ -1,0 +1,136 @@
+"""What the input modules share: how to read (``SourceConfig``), a piece of work (``Unit``), a
+record passed over (``Skip``) and how a problem becomes a ``Skip`` or an ``InputError``.
+
+``tokenmill.readers`` and ``tokenmill.columnar`` read formats; ``tokenmill.sources`` lists inputs
+and plans units. All three import this module; it imports only ``tokenmill.errors``.
+
+Bad input. Each problem has a reason from REASONS. Under ``on_error="raise"`` it raises
+``InputError`` naming the file and the 1-based line (or row); under ``"skip"`` a ``Skip`` takes
+the record's place in the stream. Empty documents are always a ``Skip``, never an error.
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.errors import ConfigError, InputError
+
+REASONS = ("malformed_json", "missing_field", "non_string_field", "invalid_utf8", "empty_document",
+           "empty_file", "no_match", "unreadable", "binary_file")
+FORMATS = ("txt", "jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow")
+EXTENSIONS = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".txt", ".parquet", ".arrow")  # longest first
+COMPRESSED = ("jsonl.gz", "jsonl.zst")  # streams: no seeking, so the parent reads their units
+LONG_DOCUMENT = 64 << 20  # a single document of more text than this gets a warning
+TXT_MODES = ("file", "lines", "paragraphs")
+POLICIES = ("raise", "skip")
+_WHAT = {"malformed_json": "malformed JSON", "missing_field": "missing field",
+         "non_string_field": "text is not a string", "invalid_utf8": "invalid UTF-8",
+         "empty_document": "empty document", "empty_file": "empty file",
+         "no_match": "no file matched", "unreadable": "cannot read file",
+         "binary_file": "binary file, not text"}
+_FILE_HINT = {"no_match": "check the path or pattern", "unreadable": "check that it exists and is readable",
+              "missing_field": "choose the column with --text-key"}
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """How to read documents; checked on construction."""
+
+    text_key: str = "text"
+    txt_mode: str = "file"
+    on_error: str = "raise"
+    unit_bytes: int = 16 << 20
+    storage_options: Mapping[str, Any] | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.text_key, str) or not self.text_key:
+            raise ConfigError(f"text_key must be a non-empty string (got text_key={self.text_key!r})")
+        if self.txt_mode not in TXT_MODES:
+            raise ConfigError(f"txt_mode must be one of {TXT_MODES} (got txt_mode={self.txt_mode!r})")
+        check_policy(self.on_error)
+        if isinstance(self.unit_bytes, bool) or not isinstance(self.unit_bytes, int) or self.unit_bytes < 1:
+            raise ConfigError(f"unit_bytes must be an int >= 1 (got unit_bytes={self.unit_bytes!r})")
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise ConfigError(f"storage_options must be a mapping or None "
+                              f"(got storage_options={self.storage_options!r})")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of work: bytes [start, stop) of a text file — *decompressed* bytes for a
+    compressed stream — or row groups (parquet) or record batches (Arrow stream) [start, stop).
+    stop == -1 means to the end of the file. ``line``: lines before ``start`` when the planner
+    counted them (compressed streams), else None (counted only if an error needs it).
+    """
+
+    path: str
+    start: int
+    stop: int
+    line: int | None = None
+
+
+@dataclass(frozen=True)
+class Skip:
+    """Something passed over: where is "line 12", "row 5 (row group 0)", "row 5 (record batch 0)"
+    or "file" (lines and rows 1-based)."""
+
+    path: str
+    where: str
+    reason: str
+    detail: str
+
+
+Report = Callable[[str, str, str], Skip]  # report(where, reason, detail): a Skip, or it raises
+
+
+def format_or_none(path: str) -> str | None:
+    """The format of a file from its name, None if unsupported: format_or_none("a.TXT") == "txt"."""
+    name = path.lower()
+    return next((ext[1:] for ext in EXTENSIONS if name.endswith(ext)), None)
+
+
+def format_of(path: str) -> str:
+    """The format of a file, from its name: format_of("a/b.JSONL.zst") == "jsonl.zst"."""
+    fmt = format_or_none(path)
+    if fmt is None:
+        raise InputError(f"{path}: unsupported file type; supported: {', '.join(EXTENSIONS)}, "
+                         "or a Hugging Face dataset directory", path=path, where="file")
+    return fmt
+
+
+def check_policy(on_error: str) -> None:
+    """Raise a ConfigError unless on_error is "raise" or "skip"."""
+    if on_error not in POLICIES:
+        raise ConfigError(f"on_error must be 'raise' or 'skip' (got on_error={on_error!r})")
+
+
+def io_errors() -> tuple[type[BaseException], ...]:
+    """What reading a broken file may raise (pyarrow/zstandard ones only once they are loaded)."""
+    errors = [OSError, EOFError, ValueError, zlib.error]
+    for module, name in (("zstandard", "ZstdError"), ("pyarrow", "ArrowException")):
+        if module in sys.modules:
+            errors.append(getattr(sys.modules[module], name))
+    return tuple(errors)
+
+
+def describe(e: BaseException) -> str:
+    """An exception as "Type: message", for details: describe(OSError("x")) == "OSError: x"."""
+    return f"{type(e).__name__}: {e}"
+
+
+def problem(path: str, on_error: str, where: str, reason: str, detail: str) -> Skip:
+    """A Skip, or under on_error="raise" an InputError; empty documents are always a Skip."""
+    if on_error == "skip" or reason == "empty_document":
+        return Skip(path, where, reason, detail)
+    if where.startswith("line "):
+        place, hint = f"{path}:{where[5:]}", "fix the line"
+    elif where.startswith("row "):
+        place, hint = f"{path}, {where}", "fix the row"
+    else:
+        place, hint = path, _FILE_HINT.get(reason, "fix or remove the file") + ","
+    raise InputError(f"{place}: {_WHAT[reason]} ({detail}); {hint} or pass --on-error skip",
+                     path=path, where=where, reason=reason)

@@ -1,0 +1,301 @@
+"""The store format: file names, the ``.idx`` layout, the manifest and the fingerprint.
+
+A store is a directory (or an fsspec URL) holding::
+
+    store/
+      manifest.json            written last, atomically: a store without it is incomplete
+      shard-00000.bin          token ids of every document, back to back, no header
+      shard-00000.idx          Megatron-LM indexed-dataset index (MMIDIDX v1), layout below
+      shard-00001.bin/.idx …
+
+Each ``.bin``/``.idx`` pair is a valid Megatron-LM indexed dataset, so Megatron, NeMo and
+GPT-NeoX read a shard as it is. ``.idx`` layout, little-endian, no padding::
+
+    offset  size      field
+    0       9         magic  b"MMIDIDX\\x00\\x00"
+    9       8         uint64 version = 1
+    17      1         uint8  dtype code (1 uint8, 2 int8, 3 int16, 4 int32, 5 int64,
+                                          6 float64, 7 float32, 8 uint16)
+    18      8         uint64 N, sequence count (one sequence per document here)
+    26      8         uint64 M, document-index count = N + 1
+    34      4·N       int32[N]  sequence lengths, in tokens
+    34+4N   8·N       int64[N]  byte offset of each sequence in .bin
+    34+12N  8·M       int64[M]  document boundaries 0, 1, …, N
+
+Every file is written under a temporary name and renamed into place. Checksums are xxh3-64 of
+the whole file, hex. Shard names in a manifest are plain file stems inside the store
+(``shard-NNNNN``): a name with a ``/``, ``..`` or an absolute path is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import xxhash
+
+from tokenmill.errors import StoreError
+from tokenmill.io import (StatCheck, is_url, json_bytes, list_sizes, map_file, read_bytes,
+                          redact)
+
+FORMAT = "tokenmill-store"
+VERSION = 1
+MANIFEST = "manifest.json"
+MANIFEST_CHECKSUM = "manifest_xxh3"
+IDX_MAGIC = b"MMIDIDX\x00\x00"
+IDX_VERSION = 1
+IDX_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, N, M: 34 bytes
+DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
+               6: np.float64, 7: np.float32, 8: np.uint16}
+CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
+SHARD_NAME = re.compile(r"shard-\d{5,}")  # shard_name(i) for any i >= 0
+SHARD_NAMES = re.compile(r"(?:shard-\d{5,}\n)*")
+SHARD_FILE = re.compile(r"shard-(\d{5,})\.(?:bin|idx)")
+REQUIRED = ("format", "version", "tokenizer", "dtype", "num_documents", "num_tokens", "shards")
+SHARD_FIELDS = ("name", "num_documents", "num_tokens", "bin_bytes", "idx_bytes", "bin_xxh3",
+                "idx_xxh3")
+
+
+def shard_name(index: int) -> str:
+    """File stem of shard ``index``.
+
+    shard_name(3) == "shard-00003"
+    """
+    return f"shard-{index:05d}"
+
+
+# ---- the .idx file ----------------------------------------------------------------------------
+
+
+def idx_bytes(lengths: np.ndarray, dtype: np.dtype) -> bytes:
+    """The ``.idx`` file for documents of the given token lengths (one sequence each)."""
+    dtype = np.dtype(dtype)
+    n = len(lengths)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if n and (lengths.min() < 0 or lengths.max() > np.iinfo(np.int32).max):
+        raise StoreError(f"document length out of int32 range: {lengths.max()}")
+    pointers = np.zeros(n, dtype=np.int64)
+    np.cumsum(lengths[:-1] * dtype.itemsize, out=pointers[1:])
+    header = IDX_HEADER.pack(IDX_MAGIC, IDX_VERSION, CODE_OF_DTYPE[dtype], n, n + 1)
+    return b"".join([header, lengths.astype("<i4").tobytes(), pointers.astype("<i8").tobytes(),
+                     np.arange(n + 1, dtype="<i8").tobytes()])
+
+
+@dataclass(frozen=True)
+class IdxArrays:
+    """The parsed content of one ``.idx`` file (memory-mapped, or copied into memory)."""
+
+    dtype: np.dtype
+    lengths: np.ndarray  # int32[N]
+    pointers: np.ndarray  # int64[N], byte offsets into .bin
+    doc_idx: np.ndarray  # int64[N + 1]
+
+
+def size_or_raise(path: Path) -> int:
+    """The size of a store file, or a StoreError saying the store is incomplete."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        raise StoreError(f"{path}: missing; the store is incomplete — run 'tokenmill prepare' "
+                         "again, or 'tokenmill verify' to see what else is wrong") from None
+
+
+def read_idx_header(path: str | os.PathLike, *, check: StatCheck | None = None
+                    ) -> tuple[np.dtype, int]:
+    """(token dtype, document count) from an ``.idx`` file's header, checked against its size;
+    the file is closed again (no map, no descriptor kept). ``check``: as for ``read_idx``."""
+    path = Path(path)
+    size = size_or_raise(path)
+    with open(path, "rb") as f:
+        if check is not None:
+            check(os.fstat(f.fileno()))
+        n, _, code = _check_idx_header(path, f.read(IDX_HEADER.size), size)
+    return np.dtype(DTYPE_CODES[code]), n
+
+
+def read_idx(path: str | os.PathLike, *, in_memory: bool = False,
+             check: StatCheck | None = None) -> IdxArrays:
+    """Map an ``.idx`` file (one map, so one file descriptor while it lives), or with
+    ``in_memory`` read it into memory and keep nothing open; checks magic, version, dtype, size.
+    ``check`` is called with the ``fstat`` of every descriptor opened on it (raise to refuse)."""
+    path = Path(path)
+    size = size_or_raise(path)
+    with open(path, "rb") as f:
+        if check is not None:
+            check(os.fstat(f.fileno()))
+        n, m, code = _check_idx_header(path, f.read(IDX_HEADER.size), size)
+        if in_memory:
+            raw = np.frombuffer(bytes(IDX_HEADER.size) + f.read(), np.uint8)
+    if not in_memory:
+        raw = map_file(path, np.uint8, check=check)  # one map, one descriptor, for three arrays
+    off = IDX_HEADER.size
+    return IdxArrays(np.dtype(DTYPE_CODES[code]), raw[off:off + 4 * n].view("<i4"),
+                     raw[off + 4 * n:off + 12 * n].view("<i8"),
+                     raw[off + 12 * n:off + 12 * n + 8 * m].view("<i8"))
+
+
+def _check_idx_header(path: Path, head: bytes, size: int) -> tuple[int, int, int]:
+    if len(head) < IDX_HEADER.size:
+        raise StoreError(f"{path}: {size} bytes is too short for an index header "
+                         f"({IDX_HEADER.size} bytes); the file is truncated — run "
+                         "'tokenmill prepare' again to rebuild it")
+    magic, version, code, n, m = IDX_HEADER.unpack(head)
+    if magic != IDX_MAGIC:
+        raise StoreError(f"{path}: not a Megatron indexed-dataset index (magic {magic!r})")
+    if version != IDX_VERSION:
+        raise StoreError(f"{path}: index version {version}, this tokenmill reads {IDX_VERSION}")
+    if code not in DTYPE_CODES:
+        raise StoreError(f"{path}: unknown dtype code {code}")
+    want = IDX_HEADER.size + 12 * n + 8 * m
+    if size != want:
+        raise StoreError(f"{path}: expected {want:,} bytes for {n:,} documents, found {size:,}; "
+                         "the file is truncated or corrupt — run 'tokenmill prepare' again")
+    return n, m, code
+
+
+# ---- the manifest -----------------------------------------------------------------------------
+
+
+def store_fingerprint(manifest: dict) -> str:
+    """A hash of what defines a store's content: tokenizer, dtype and every shard checksum."""
+    core = {"tokenizer": manifest["tokenizer"], "dtype": manifest["dtype"],
+            "shards": [(s["bin_xxh3"], s["idx_xxh3"]) for s in manifest["shards"]]}
+    return xxhash.xxh3_64_hexdigest(json.dumps(core, sort_keys=True).encode())
+
+
+def build_manifest(*, tokenizer: dict, dtype: np.dtype, shards: list, settings: dict,
+                   skipped: dict) -> dict:
+    """The manifest dict for a finished store (``shards``: ShardInfo, each with ``to_json()``).
+
+    URLs in ``settings`` (inputs, the output) are stored with their credentials redacted.
+    """
+    manifest = {
+        "format": FORMAT, "version": VERSION, "tokenizer": tokenizer,
+        "dtype": np.dtype(dtype).name,
+        "num_documents": sum(s.num_documents for s in shards),
+        "num_tokens": sum(s.num_tokens for s in shards),
+        "shards": [s.to_json() for s in shards],
+        "settings": redact_urls(settings), "skipped": skipped,
+    }
+    manifest["fingerprint"] = store_fingerprint(manifest)
+    manifest[MANIFEST_CHECKSUM] = manifest_checksum(manifest)
+    return manifest
+
+
+def redact_urls(obj: Any) -> Any:
+    """``obj`` (JSON-like) with ``redact`` applied to every string in it, keys included."""
+    if isinstance(obj, str):
+        return redact(obj)
+    if isinstance(obj, Mapping):
+        return {redact_urls(k): redact_urls(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [redact_urls(v) for v in obj]
+    return obj
+
+
+def manifest_checksum(manifest: dict) -> str:
+    """xxh3-64 of the manifest as written, without its own checksum field: any change to any
+    field (a flipped byte in a path, a count, a key name) shows."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}
+    return xxhash.xxh3_64_hexdigest(json_bytes(body))
+
+
+def checksum_holds(data: bytes | str, manifest: dict) -> bool:
+    """Whether ``manifest`` (parsed from ``data``) matches its own checksum field.
+
+    Fast path: as tokenmill writes it (indent 1, keys sorted), the file without the line of the
+    checksum field is the very text checksummed, so hashing it costs ~10 ms for 100,000 shards
+    where re-encoding costs seconds. Any other text falls back to re-encoding.
+    """
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    want = manifest[MANIFEST_CHECKSUM]
+    line = f' "{MANIFEST_CHECKSUM}": {json.dumps(want)},\n'.encode()
+    if raw.count(line) == 1 and xxhash.xxh3_64_hexdigest(raw.replace(line, b"")) == want:
+        return True
+    return want == manifest_checksum(manifest)
+
+
+def check_shard_names(manifest: dict, where: str) -> None:
+    """Raise StoreError unless every shard entry is a record named ``shard-NNNNN`` (a plain file
+    stem inside the store: no ``/``, ``..`` or absolute path), each name once."""
+    shards = manifest["shards"]
+    if not isinstance(shards, list):
+        raise StoreError(f"{where}: 'shards' is a {type(shards).__name__}, not a list; the "
+                         "manifest is corrupt")
+    fields = set(SHARD_FIELDS)
+    if all(type(s) is dict and fields <= s.keys() for s in shards):
+        names = [s["name"] for s in shards]
+        if (all(type(n) is str for n in names) and len(set(names)) == len(names)
+                and SHARD_NAMES.fullmatch("".join(f"{n}\n" for n in names))):
+            return  # the usual case, checked at once: 100,000 names in ~20 ms
+    seen = set()
+    for i, s in enumerate(shards):
+        if not isinstance(s, dict) or not fields <= s.keys():
+            raise StoreError(f"{where}: shard {i} lacks some of the fields {list(SHARD_FIELDS)}; "
+                             "the manifest is corrupt")
+        name = s["name"]
+        if not isinstance(name, str) or not SHARD_NAME.fullmatch(name) or name in seen:
+            raise StoreError(f"{where}: shard {i} is named {name!r}; shard names are plain file "
+                             "names inside the store (shard-NNNNN), each used once — the manifest "
+                             "is corrupt or was edited; run 'tokenmill prepare' again")
+        seen.add(name)
+
+
+def parse_manifest(data: bytes | str, where: str) -> dict:
+    """Parse and check manifest JSON read from ``where`` (a path or URL, for messages)."""
+    try:
+        manifest = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StoreError(f"{where}: not valid JSON ({e}); the manifest is corrupt — "
+                         "run 'tokenmill prepare' again") from None
+    if not isinstance(manifest, dict) or any(k not in manifest for k in REQUIRED):
+        missing = [k for k in REQUIRED if not isinstance(manifest, dict) or k not in manifest]
+        raise StoreError(f"{where}: missing fields {missing}; the manifest is corrupt")
+    if manifest["format"] != FORMAT:
+        raise StoreError(f"{where}: format {manifest['format']!r}, expected {FORMAT!r}")
+    if manifest["version"] != VERSION:
+        raise StoreError(f"{where}: store version {manifest['version']}, this tokenmill reads "
+                         f"version {VERSION}; re-run 'tokenmill prepare' with this version")
+    if MANIFEST_CHECKSUM in manifest and not checksum_holds(data, manifest):
+        raise StoreError(f"{where}: checksum mismatch: the manifest was changed or is damaged; "
+                         "run 'tokenmill verify', then 'tokenmill prepare' again")
+    check_shard_names(manifest, where)
+    return manifest
+
+
+def read_manifest(path: str | os.PathLike, *, storage_options: dict | None = None) -> dict:
+    """Load and check a store's manifest: present, parseable, right format and version.
+
+    ``path`` may be an fsspec URL (``s3://bucket/store``); ``storage_options`` go to fsspec.
+    """
+    if is_url(path):
+        return _read_remote_manifest(os.fspath(path).rstrip("/"), storage_options)
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not path.is_dir():
+        raise StoreError(f"{path}: no such store directory")
+    if not mpath.exists():
+        partial = any(path.glob("shard-*")) or (path / ".progress").exists()
+        raise StoreError(f"{mpath}: missing — {missing_manifest_hint(partial)}")
+    return parse_manifest(mpath.read_bytes(), str(mpath))
+
+
+def _read_remote_manifest(url: str, storage_options) -> dict:
+    where = redact(f"{url}/{MANIFEST}")
+    data = read_bytes(f"{url}/{MANIFEST}", storage_options)
+    if data is None:
+        partial = any(n.startswith("shard-") for n in list_sizes(url, storage_options))
+        raise StoreError(f"{where}: missing — {missing_manifest_hint(partial)}")
+    return parse_manifest(data, where)
+
+
+def missing_manifest_hint(partial: bool) -> str:
+    """What to do about a missing manifest: finish prepare (shards exist) or create a store."""
+    return ("prepare did not finish; run the same 'tokenmill prepare' command again to finish it"
+            if partial else "is this a tokenmill store? Create one with 'tokenmill prepare'")

@@ -1,0 +1,170 @@
+"""Writing a store to a URL: ``prepare(out="s3://…")`` stages each shard locally and uploads it
+as it finishes, in a background thread; the manifest goes last (a remote store without one is
+incomplete). Endpoint and credentials come from the usual places or from ``storage_options``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import queue
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+from tokenmill.errors import StoreError
+from tokenmill.io import CHUNK, filesystem, list_sizes, read_bytes, redact
+from tokenmill.store.cache import default_cache_dir, url_key
+from tokenmill.store.format import MANIFEST, SHARD_FILE
+
+
+class RemoteOut:
+    """Where ``prepare(out="s3://…")`` puts a store: staged locally, uploaded shard by shard in a
+    background thread, the manifest last (a remote store without one is incomplete)."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None):
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.fs, self.root = filesystem(self.url, self.storage_options)
+        self.staging = default_cache_dir() / "staging" / url_key(self.url)
+        self._listing: dict[str, int] | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=2)  # bounds staged, unuploaded shards
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def _rpath(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def sizes(self) -> dict[str, int]:
+        """Object sizes under the URL, listed once and remembered."""
+        if self._listing is None:
+            self._listing = list_sizes(self.url, self.storage_options)
+        return self._listing
+
+    def manifest_text(self) -> bytes | None:
+        """The remote manifest's bytes, or None."""
+        return read_bytes(f"{self.url}/{MANIFEST}", self.storage_options)
+
+    def foreign_files(self) -> list[str]:
+        """Objects under the URL that no store writes."""
+        return sorted(n for n in self.sizes() if n != MANIFEST and not n.startswith("shard-"))
+
+    def clear(self) -> None:
+        """Delete the remote store: manifest first (so it reads as incomplete), then shards."""
+        names = self.sizes()
+        if MANIFEST in names:
+            self.fs.rm_file(self._rpath(MANIFEST))
+        for n in names:
+            if n.startswith("shard-"):
+                self.fs.rm_file(self._rpath(n))
+        self._listing = None
+
+    def remove_from(self, first_shard: int) -> None:
+        """Delete shard objects numbered ``first_shard`` and up (uploads never committed)."""
+        for n in list(self.sizes()):
+            if (m := SHARD_FILE.fullmatch(n)) and int(m[1]) >= first_shard:
+                self.fs.rm_file(self._rpath(n))
+        self._listing = None
+
+    def has_shard(self, info) -> bool:
+        """Both files of a committed shard are in place at their recorded sizes."""
+        sizes = self.sizes()
+        return (sizes.get(f"{info.name}.bin") == info.bin_bytes and
+                sizes.get(f"{info.name}.idx") == info.idx_bytes)
+
+    def submit(self, staging: Path, info, on_uploaded: Callable[[], None]) -> None:
+        """Upload a finished shard in the background, then call ``on_uploaded`` (which commits it)
+        and delete the staged files; raises an earlier upload's error."""
+        self._raise_error()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tokenmill-upload", daemon=True)
+            self._thread.start()
+        while True:  # wait for room, but notice if the uploader died meanwhile
+            try:
+                self._queue.put((staging, info, on_uploaded), timeout=0.5)
+                break
+            except queue.Full:
+                self._raise_error()
+
+    def drain(self) -> None:
+        """Wait until every submitted shard is uploaded; raises an upload's error."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        self._raise_error()
+
+    def abort(self) -> None:
+        """Stop after the upload in progress; queued shards stay staged and uncommitted."""
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue
+            staging, info, on_uploaded = item
+            try:
+                self.upload_shard(staging, info)
+                on_uploaded()
+                for ext in (".bin", ".idx"):
+                    (staging / f"{info.name}{ext}").unlink(missing_ok=True)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+                self._error = e
+
+    def upload_shard(self, staging: Path, info) -> None:
+        """Upload ``.bin`` and ``.idx``, then check each object's size (and MD5 ETag if single-part)."""
+        for ext, size in ((".bin", info.bin_bytes), (".idx", info.idx_bytes)):
+            local, rpath = staging / f"{info.name}{ext}", self._rpath(f"{info.name}{ext}")
+            url = redact(f"{self.url}/{info.name}{ext}")
+            with upload_errors(url):
+                self.fs.put_file(str(local), rpath)
+                self.fs.invalidate_cache(rpath)
+                remote = self.fs.info(rpath)
+            if int(remote.get("size") or 0) != size:
+                raise StoreError(f"{url}: uploaded {size:,} bytes, the object has "
+                                 f"{remote.get('size')}; run the same prepare again to resume")
+            etag = str(remote.get("ETag") or remote.get("etag") or "").strip('"')
+            if len(etag) == 32 and "-" not in etag and etag != _md5_file(local):
+                raise StoreError(f"{url}: the object's MD5 (ETag {etag}) differs from the staged "
+                                 f"file's; the upload was corrupted — run the same prepare again")
+
+    def write_manifest(self, data: bytes) -> None:
+        """Put the manifest: the last write of a prepare, after every shard is uploaded."""
+        with upload_errors(redact(f"{self.url}/{MANIFEST}")):
+            self.fs.pipe_file(self._rpath(MANIFEST), data)
+        self._listing = None
+
+
+@contextlib.contextmanager
+def upload_errors(url: str) -> Iterator[None]:
+    """Turn a failed write to ``url`` (an OSError, or the client's own error, e.g. aiohttp's for
+    an HTTP URL) into a StoreError naming it, credentials redacted."""
+    try:
+        yield
+    except StoreError:
+        raise
+    except Exception as e:  # noqa: BLE001 - each client has its own errors
+        raise StoreError(f"{url}: upload failed ({type(e).__name__}: {redact(str(e))}); check the "
+                         "URL (can it be written?), the endpoint and credentials "
+                         "(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, …), then run the same prepare "
+                         "again to resume") from e
+
+
+def _md5_file(path: Path) -> str:
+    h = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()

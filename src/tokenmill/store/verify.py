@@ -1,0 +1,116 @@
+"""Checking a store: structure, sizes and every checksum, local or remote."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from tokenmill.errors import StoreError
+from tokenmill.io import is_url, json_bytes, list_sizes, redact, xxh3_file
+from tokenmill.store.cache import ShardCache
+from tokenmill.store.format import MANIFEST, MANIFEST_CHECKSUM, read_idx, read_manifest
+
+
+def verify_store(path: str | os.PathLike, *, storage_options: dict | None = None) -> list[str]:
+    """Check structure and every checksum; returns the problems found (empty when intact).
+
+    For a URL every file is downloaded (to a temporary directory, never from the cache, so the
+    remote objects themselves are checked) and deleted after its check.
+    """
+    if is_url(path):
+        return [redact(p) for p in _verify_remote(os.fspath(path).rstrip("/"), storage_options)]
+    path = Path(path)
+    try:
+        manifest = read_manifest(path)
+    except StoreError as e:
+        return [str(e)]
+    problems = []
+    if MANIFEST_CHECKSUM not in manifest:
+        problems.append(f"{path / MANIFEST}: no {MANIFEST_CHECKSUM} field (damaged, or edited)")
+    elif (path / MANIFEST).read_bytes() != json_bytes(manifest):
+        problems.append(f"{path / MANIFEST}: same fields, other bytes than tokenmill writes "
+                        "(damaged, or edited)")
+    for s in manifest["shards"]:
+        for ext, size_key, sum_key in ((".bin", "bin_bytes", "bin_xxh3"),
+                                       (".idx", "idx_bytes", "idx_xxh3")):
+            f = path / f"{s['name']}{ext}"
+            if not f.exists():
+                problems.append(f"{f}: missing")
+                continue
+            size = f.stat().st_size
+            if size != s[size_key]:
+                problems.append(f"{f}: expected {s[size_key]:,} bytes, found {size:,}")
+                continue
+            got = xxh3_file(f)
+            if got != s[sum_key]:
+                problems.append(f"{f}: checksum mismatch (xxh3 {got}, manifest {s[sum_key]})")
+        f = path / f"{s['name']}.idx"
+        if not any(p.startswith(str(f)) for p in problems):
+            problems.extend(_check_idx_structure(f, s, np.dtype(manifest["dtype"])))
+    if not problems:
+        problems += _check_totals(manifest, path / MANIFEST)
+    return problems
+
+
+def _verify_remote(url: str, storage_options: dict | None) -> list[str]:
+    try:
+        manifest = read_manifest(url, storage_options=storage_options)
+    except StoreError as e:
+        return [str(e)]
+    sizes = list_sizes(url, storage_options)
+    problems = []
+    with tempfile.TemporaryDirectory(prefix="tokenmill-verify-") as tmp:
+        cache = ShardCache(tmp, 1 << 62, storage_options=storage_options)
+        for s in manifest["shards"]:
+            for ext, size_key, sum_key in ((".bin", "bin_bytes", "bin_xxh3"),
+                                           (".idx", "idx_bytes", "idx_xxh3")):
+                f = f"{url}/{s['name']}{ext}"
+                got = sizes.get(f"{s['name']}{ext}")
+                if got is None or got != s[size_key]:
+                    problems.append(f"{f}: missing" if got is None else
+                                    f"{f}: expected {s[size_key]:,} bytes, found {got:,}")
+                    continue
+                try:
+                    local = cache.fetch(f, s[size_key], s[sum_key])
+                except StoreError as e:
+                    problems.append(str(e))
+                    continue
+                if ext == ".idx":
+                    problems += [p.replace(str(local), f) for p in
+                                 _check_idx_structure(local, s, np.dtype(manifest["dtype"]))]
+                local.unlink()
+    if not problems:
+        problems += _check_totals(manifest, f"{url}/{MANIFEST}")
+    return problems
+
+
+def _check_totals(manifest: dict, where) -> list[str]:
+    total = sum(s["num_tokens"] for s in manifest["shards"])
+    docs = sum(s["num_documents"] for s in manifest["shards"])
+    if total != manifest["num_tokens"] or docs != manifest["num_documents"]:
+        return [f"{where}: totals ({manifest['num_documents']:,} documents, "
+                f"{manifest['num_tokens']:,} tokens) disagree with its shards ({docs:,}, {total:,})"]
+    return []
+
+
+def _check_idx_structure(f: Path, shard: dict, dtype: np.dtype) -> list[str]:
+    try:
+        idx = read_idx(f)
+    except StoreError as e:
+        return [str(e)]
+    lengths = np.asarray(idx.lengths, dtype=np.int64)
+    want_ptr = np.zeros(len(lengths), np.int64)
+    np.cumsum(lengths[:-1] * dtype.itemsize, out=want_ptr[1:])
+    if idx.dtype != dtype:
+        return [f"{f}: dtype {idx.dtype}, manifest says {dtype}"]
+    if (lengths < 0).any() or int(lengths.sum()) != shard["num_tokens"]:
+        return [f"{f}: sequence lengths sum to {int(lengths.sum()):,}, "
+                f"manifest says {shard['num_tokens']:,} tokens"]
+    if not np.array_equal(idx.pointers, want_ptr):
+        return [f"{f}: sequence offsets are not contiguous"]
+    if not np.array_equal(idx.doc_idx, np.arange(len(lengths) + 1)):
+        return [f"{f}: document index is not 0..{len(lengths)}"]
+    return []

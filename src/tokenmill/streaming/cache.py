@@ -1,0 +1,111 @@
+"""The cache store written while streaming: the pass's documents as a store, by one process.
+
+The documents are written to ``cache_dir/stream-<key>/`` by the one resumable store writer
+(``store.writer.StoreWriter``) with prepare's shard size and settings, so the finished store is
+byte for byte the one ``prepare(inputs, out=…)`` makes with the same options, written the same
+way: its lock, its progress records (a crashed pass resumes its writing from the last committed
+shard), the manifest last. One process writes a cache — the one holding the writer's lock
+(released by the kernel if it dies); the others stream too and, at the end of the pass, wait for
+its manifest, or take the lock and finish the store themselves if its writer went away.
+
+    writer = claim_writer(plan, tokenizer, stats)   # None: another process writes it, or done
+    writer.add(u, d0, tokens, lengths, skips, digest)   # unit by unit, in order; then finish()
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Callable
+
+import numpy as np
+
+from tokenmill import sources
+from tokenmill.errors import ConcurrentWriterError
+from tokenmill.prepare.run import input_check
+from tokenmill.store.format import MANIFEST
+from tokenmill.store.writer import StoreWriter, WriterConfig
+from tokenmill.streaming.plan import Cursor, StreamPlan
+from tokenmill.tokenizer import Tokenizer
+
+WAIT_WARNING_S = 60.0  # warn this often while waiting for another process's cache writer
+WAIT_POLL_S = 0.2
+
+
+class CacheWriter:
+    """The pass's documents into the cache store through the one store writer, timed."""
+
+    def __init__(self, plan: StreamPlan, writer: StoreWriter, identity: dict, stats: dict):
+        self.plan, self.writer, self.identity, self.stats = plan, writer, identity, stats
+        if not writer.shards:  # a fresh store: what listing the inputs passed over counts too
+            for skip in plan.list_skips:
+                writer.skips.add(skip)
+        token = sum(info.num_tokens for info in writer.shards)
+        self.resume_cursor = Cursor(*writer.cursor, token)  # where its committed shards end
+
+    def add(self, u: int, d0: int, tokens: np.ndarray, lengths: np.ndarray,
+            skips: list[tuple[int, sources.Skip]], digest: str | None) -> None:
+        """Unit u's documents from document d0 on; those already committed are dropped."""
+        t0 = time.perf_counter()
+        self.writer.add(u, d0, tokens, lengths, skips, digest)
+        self.stats["write"] += time.perf_counter() - t0
+
+    def finish(self) -> None:
+        """Close the last shard, write the manifest (last, atomically), release the lock."""
+        t0 = time.perf_counter()
+        self.writer.finish(self.identity, self.plan.settings)
+        self.stats["write"] += time.perf_counter() - t0
+
+    def abort(self) -> None:
+        """Drop the open shard (committed ones stay for the next writer) and release the lock."""
+        self.writer.abort()
+
+
+def store_complete(plan: StreamPlan) -> bool:
+    """True once the cache store holds its manifest (written last)."""
+    return (plan.store_dir / MANIFEST).exists()
+
+
+def writer_config(plan: StreamPlan) -> WriterConfig:
+    """The store writer's settings: prepare's, keyed by the plan (inputs, options, unit size)."""
+    return WriterConfig(dtype=plan.dtype.name, shard_tokens=plan.config.shard_tokens,
+                        key={"settings": plan.settings, "stream": plan.key})
+
+
+def claim_writer(plan: StreamPlan, tokenizer: Tokenizer, stats: dict) -> CacheWriter | None:
+    """The cache's writer if this process takes its lock and the store is not complete yet."""
+    if store_complete(plan):
+        return None
+    try:
+        # committed shards whose inputs' bytes changed since (whatever size and time say) are redone
+        check = input_check(lambda: list(plan.units), plan.storage_options, None)
+        writer = StoreWriter(plan.store_dir, writer_config(plan), check=check)
+    except ConcurrentWriterError:
+        return None
+    if writer.manifest is not None:  # finished meanwhile
+        writer.close()
+        return None
+    try:
+        return CacheWriter(plan, writer, tokenizer.identity(), stats)
+    except BaseException:
+        writer.close()
+        raise
+
+
+def wait_store(plan: StreamPlan, tokenizer: Tokenizer, stats: dict, stop: threading.Event,
+               write: Callable[[CacheWriter], None]) -> bool:
+    """Until the cache store is complete: wait for its writer, or ``write`` it if nobody does.
+    False if ``stop`` is set first."""
+    since = time.monotonic()
+    while not store_complete(plan):
+        if (writer := claim_writer(plan, tokenizer, stats)) is not None:  # nobody writes it: we do
+            write(writer)
+            continue
+        if stop.wait(WAIT_POLL_S):
+            return False
+        if time.monotonic() - since > WAIT_WARNING_S:
+            since = time.monotonic()
+            warnings.warn(f"tokenmill: waiting for the process writing {plan.store_dir} to "
+                          "finish the cache store", stacklevel=1)
+    return True

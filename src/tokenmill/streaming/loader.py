@@ -1,0 +1,294 @@
+"""``StreamLoader``: batches straight from raw text, with the batch interface of ``Loader``.
+
+    loader = Loader.from_text(["data/*.jsonl.zst"], tokenizer="tokenizer.json", seq_len=2048,
+                              batch_size=8, cache_dir="cache/")
+    for batch in loader: ...     # {"inputs", "targets"}: int32 (8, 2048); state_dict() resumes
+
+It owns the state and the resume; the batches are made by a ``producer.Producer`` thread. The
+state is small and JSON-able:
+
+    {"version": 1, "mode": "stream", "fingerprint": "…", "consumed_samples": k,
+     "pass_samples": n or null,
+     "resume_from": {"unit": u, "doc": d, "token": T, "check": "…"} or null}
+
+``resume_from`` is only a hint where reading may restart: one that is missing, has no check
+(states of earlier versions) or starts later than needed makes reading start earlier (slower,
+never different); one whose check does not match its numbers was edited, and is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from tokenmill import pack
+from tokenmill.errors import ConfigError, StaleIterator
+from tokenmill.plan import MAX_CONSUMED, LayoutConfig, resolve_rank
+from tokenmill.prepare.pool import UNITS_PER_WORKER
+from tokenmill.prepare.tokenize import PrepareConfig
+from tokenmill.store.format import read_manifest
+from tokenmill.streaming.cache import store_complete
+from tokenmill.streaming.order import look_ahead
+from tokenmill.streaming.plan import (STATE_VERSION, Cursor, OrderSettings, StreamPlan,
+                                      cursor_check, load_stream_tokenizer, plan_stream,
+                                      resolve_stream_workers)
+from tokenmill.streaming.producer import (BatchSlice, Producer, StartAt, StepReady, StreamFailed,
+                                          StreamStats)
+from tokenmill.tokenizer import Tokenizer
+
+CURSOR_FIELDS = Cursor._fields
+
+
+def open_stream(inputs: str | os.PathLike | Sequence, *, tokenizer: str = "bytes", seq_len: int,
+                batch_size: int, cache_dir: str | os.PathLike, seed: int = 0,
+                rank: int | None = None, world_size: int | None = None,
+                num_workers: int | str = "auto", shuffle_buffer: int | None = None,
+                storage_options: dict | None = None, **options: Any) -> StreamLoader:
+    """A StreamLoader over ``inputs`` (what ``Loader.from_text`` returns); ``options`` are
+    prepare's (text_key, txt_mode, on_error, shard_tokens, unit_bytes, add_bos, …)."""
+    order = OrderSettings(seq_len=seq_len, seed=seed,
+                          **({} if shuffle_buffer is None else {"shuffle_buffer": shuffle_buffer}))
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
+            or batch_size < 1:
+        raise ConfigError(f"batch_size must be an int >= 1 (got batch_size={batch_size!r})")
+    if cache_dir is None:
+        raise ConfigError("cache_dir is required: the first pass is cached there as a store")
+    rank, world_size = resolve_rank(rank, world_size)
+    workers = resolve_stream_workers(num_workers)
+    config = PrepareConfig(tokenizer=os.fspath(tokenizer), **options)
+    tok = load_stream_tokenizer(config)
+    plan = plan_stream(inputs, config, tok, cache_dir=cache_dir, order=order,
+                       num_workers=workers, storage_options=storage_options)
+    return StreamLoader(plan, tok, BatchSlice(rank=rank, world_size=world_size,
+                                              batch_size=int(batch_size)))
+
+
+class StreamLoader:
+    """Batches straight from raw text (tokenized by worker processes), cached as a store.
+
+    Made by ``Loader.from_text`` (``open_stream``); the same batch interface as ``Loader``: dicts
+    of int32 ``inputs``/``targets`` of shape (batch_size, seq_len), ``state_dict``/
+    ``load_state_dict``, ``close``, ``stage_times``/``queue_depth`` for the Meter.
+    """
+
+    def __init__(self, plan: StreamPlan, tokenizer: Tokenizer, part: BatchSlice):
+        self.config = LayoutConfig(seq_len=plan.seq_len, layout="concat", seed=plan.seed)
+        self.rank, self.world_size, self.batch_size = part.rank, part.world_size, part.batch_size
+        self.shuffle_buffer = plan.shuffle_buffer
+        self.epochs = self.total_steps = None  # streams run until you stop
+        self.fingerprint = plan.fingerprint
+        self._plan, self._tok, self._part = plan, tokenizer, part
+        self._consumed, self._hint, self._pass_samples = 0, None, None
+        self._stats = StreamStats()
+        self._producer: list[Producer | None] = [None]  # shared with the finalizer
+        self._error: BaseException | None = None
+        self._closed = False
+        self._iterating: Iteration | None = None
+        self._finalizer = weakref.finalize(self, _shutdown, self._producer)
+
+    # ---- the stream -------------------------------------------------------------------------
+
+    @property
+    def num_workers(self) -> int:
+        """Tokenizing worker processes (0: tokenize in the loader's thread)."""
+        return self._plan.num_workers
+
+    @property
+    def store_path(self):
+        """Where the first pass is cached as a store (complete once it holds manifest.json)."""
+        return self._plan.store_dir
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per step across all ranks."""
+        return self.batch_size * self.world_size
+
+    @property
+    def consumed_samples(self) -> int:
+        """Global samples handed out so far (all ranks), prefetched ones excluded."""
+        return self._consumed
+
+    @property
+    def pass_samples(self) -> int | None:
+        """Samples in one epoch (concat windows of the whole input); None until the pass ends."""
+        return self._pass_samples
+
+    def __len__(self) -> int:
+        """Steps per epoch, once the first pass has ended."""
+        if self._pass_samples is None:
+            raise TypeError("steps per epoch are unknown until the first pass over the text ends")
+        return self._pass_samples // self.global_batch_size
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        """Batches from the current position. An earlier iterator raises StaleIterator at its
+        next ``next()`` (never ends quietly) once the loader is iterated again, loaded or closed."""
+        if self._closed:
+            raise StaleIterator("this loader is closed")
+        self._retire(f"this loader was iterated again (a new iter() on it) after this iterator "
+                     f"was made; its batches continue in the new iterator, from consumed_samples"
+                     f"={self._consumed:,}. Keep one iterator (it = iter(loader)) to call "
+                     "next(it) inside a loop")
+        self._iterating = token = Iteration()
+        return self._batches(token)
+
+    def _retire(self, why: str) -> None:
+        if self._iterating is not None:
+            self._iterating.why = why
+        self._iterating = None
+
+    def _batches(self, token: Iteration) -> Iterator[dict[str, np.ndarray]]:
+        while True:
+            if token.why is not None:
+                raise StaleIterator(token.why)
+            if self._error is not None:
+                raise self._error
+            if self._producer[0] is None:
+                self._producer[0] = Producer(
+                    self._plan, self._tok, self._part,
+                    StartAt(self._consumed, self._hint, self._pass_samples), self._stats)
+            msg = self._producer[0].get()
+            if isinstance(msg, StreamFailed):
+                self._error = msg.error
+                self._stop_producer()
+                raise self._error
+            assert isinstance(msg, StepReady)
+            self._consumed, self._hint = msg.consumed, msg.resume_from
+            if msg.pass_samples is not None:
+                self._pass_samples = msg.pass_samples
+            yield msg.batch
+
+    def _stop_producer(self) -> None:
+        if self._producer[0] is not None:
+            self._producer[0].close()
+            self._producer[0] = None
+
+    # ---- what the Meter reads (metrics.Instrumented) -----------------------------------------
+
+    def stage_times(self) -> dict[str, float]:
+        """Cumulative seconds: reading + tokenizing (workers), writing the cache, assembling."""
+        return dict(self._stats.seconds)
+
+    def queue_depth(self) -> int:
+        """Batches assembled and waiting for the consumer."""
+        producer = self._producer[0]
+        return producer.out.qsize() if producer is not None else 0
+
+    def buffer_bytes(self) -> int:
+        """Bytes of tokens the pass holds at most: the shuffle buffer and look-ahead, (S + 2Δ + 2)
+        windows, plus two units held and the units in flight (a unit of unit_bytes of text is at
+        most unit_bytes tokens with a byte-level tokenizer, plus its longest line), in the store's
+        token dtype. Ready batches (8) and the workers' memory come on top (docs/streaming.md)."""
+        p = self._plan
+        delta = look_ahead(self.global_batch_size, p.shuffle_buffer)
+        units = (UNITS_PER_WORKER * p.num_workers + 3) * p.config.unit_bytes
+        return ((p.shuffle_buffer + 2 * delta + 2) * p.seq_len + units) * p.dtype.itemsize
+
+    @property
+    def buffer_peak_tokens(self) -> int:
+        """The most tokens the shuffle buffer held at once, in passes that ended or stopped."""
+        return self._stats.peak_tokens
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position (and where reading may restart): small, JSON-able, independent of ranks."""
+        resume = None
+        if self._hint is not None:
+            resume = {**{f: int(x) for f, x in zip(CURSOR_FIELDS, self._hint)},
+                      "check": cursor_check(self.fingerprint, self._hint)}
+        return {"version": STATE_VERSION, "mode": "stream", "fingerprint": self.fingerprint,
+                "consumed_samples": int(self._consumed), "pass_samples": self._pass_samples,
+                "resume_from": resume}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``; refuses one of other inputs, tokenizer, options, seq_len, seed
+        or shuffle_buffer, and one whose resume_from or pass_samples contradicts this stream."""
+        k, n, hint = check_state(state, self._plan)
+        self._stop_producer()
+        self._retire("this loader's state was loaded (load_state_dict) after this iterator was "
+                     "made; make a new iterator (iter(loader)) to continue from there")
+        self._consumed, self._pass_samples, self._hint = k, n, hint
+        self._error = None
+
+    # ---- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the thread and the worker processes, release the cache; safe to call twice."""
+        self._closed = True
+        self._retire("this loader is closed")
+        self._finalizer()
+
+    def __enter__(self) -> StreamLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Iteration:
+    """One iterator's token: ``why`` is set when the loader moved on without it."""
+
+    __slots__ = ("why",)
+
+    def __init__(self):
+        self.why: str | None = None
+
+
+def _shutdown(holder: list) -> None:
+    producer, holder[0] = holder[0], None
+    if producer is not None:
+        producer.close()
+
+
+# ---- checking a state at the door ---------------------------------------------------------------
+
+def check_state(state: Mapping[str, Any],
+                plan: StreamPlan) -> tuple[int, int | None, Cursor | None]:
+    """(consumed_samples, pass_samples, resume_from) of a stream state, checked against the plan."""
+    if (not isinstance(state, Mapping) or state.get("version") != STATE_VERSION
+            or state.get("mode") != "stream"):
+        raise ConfigError(f"unsupported stream loader state (want version {STATE_VERSION}, "
+                          f"mode 'stream'): {state!r}")
+    if state.get("fingerprint") != plan.fingerprint:
+        raise ConfigError(f"loader state fingerprint {state.get('fingerprint')!r} does not "
+                          f"match this loader's {plan.fingerprint!r}: the inputs (or their "
+                          "sizes/times), tokenizer, options, seq_len, seed or shuffle_buffer "
+                          "differ")
+    k, n = state.get("consumed_samples"), state.get("pass_samples")
+    if not (_is_int(k) and 0 <= k < MAX_CONSUMED) or not (n is None or _is_int(n) and n > 0):
+        raise ConfigError(f"consumed_samples must be an int in [0, 2**62) and pass_samples None "
+                          f"or an int > 0 (got consumed_samples={k!r}, pass_samples={n!r})")
+    if n is not None and store_complete(plan):
+        have = pack.concat_num_samples(read_manifest(plan.store_dir)["num_tokens"], plan.seq_len)
+        if have != n:
+            raise ConfigError(f"pass_samples={n} in the loaded state does not match the pass, "
+                              f"which holds {have:,} windows (cache store {plan.store_dir}): the "
+                              "state was edited or comes from another run")
+    return int(k), None if n is None else int(n), check_cursor(state.get("resume_from"), plan)
+
+
+def check_cursor(resume: Any, plan: StreamPlan) -> Cursor | None:
+    """The state's resume_from as a Cursor: None when absent or unchecked (a state of an earlier
+    version: reading starts earlier, never elsewhere); a ConfigError when it contradicts itself."""
+    if resume is None:
+        return None
+    values = tuple(resume.get(f) for f in CURSOR_FIELDS) if isinstance(resume, Mapping) else ()
+    if (len(values) != 3 or not all(_is_int(x) and x >= 0 for x in values)
+            or values[0] > len(plan.units)):
+        raise ConfigError(f"resume_from must hold ints >= 0 {CURSOR_FIELDS} with unit <= "
+                          f"{len(plan.units)} (got resume_from={resume!r})")
+    cursor = Cursor(*map(int, values))
+    if "check" not in resume:
+        return None
+    if resume["check"] != cursor_check(plan.fingerprint, cursor):
+        raise ConfigError(f"resume_from={dict(resume)!r} does not match its check: it was edited "
+                          "or mixed from another state, and would replay the wrong tokens; "
+                          "set resume_from to None to resume by reading from the start")
+    return cursor
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)

@@ -1,0 +1,95 @@
+"""plan: the pure batch plan — rank slices, batch k as a function, the spec workers rebuild from,
+and the proof that a store is still the one that was opened."""
+
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from conftest import same, write_positional_store
+from tokenmill import sampler
+from tokenmill.errors import ConfigError, StoreError
+from tokenmill.loader import Loader
+from tokenmill.plan import (BatchPlan, LayoutConfig, batch_at, check_identity, consumed_of,
+                            global_positions, identity_of, plan_from_spec)
+from tokenmill.store import TokenStore
+
+L = 8
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    rng = np.random.default_rng(1)
+    return write_positional_store(tmp_path_factory.mktemp("p") / "store",
+                                  rng.integers(1, 40, size=150), shard_tokens=700)
+
+
+@pytest.mark.parametrize("consumed,B,W", [(0, 1, 1), (5, 2, 3), (96, 4, 8), (2**40 + 3, 3, 2)])
+def test_ranks_tile_the_global_batch_in_rank_order(consumed, B, W):
+    slices = [global_positions(consumed, batch_size=B, rank=r, world_size=W) for r in range(W)]
+    assert np.concatenate(slices).tolist() == list(range(consumed, consumed + B * W))
+    for r, s in enumerate(slices):  # the sampler's rank slice, the one implementation
+        assert np.array_equal(s, sampler.batch_positions(0, batch_size=B, rank=r, world_size=W,
+                                                         start=consumed))
+
+
+@pytest.mark.parametrize("layout", ["concat", "packed"])
+def test_batch_k_is_a_pure_function_and_workers_rebuild_the_same_plan(store, layout):
+    config = LayoutConfig(seq_len=L, layout=layout, seed=3)
+    a = BatchPlan.open(store, config)
+    b = BatchPlan.open(str(store), config)
+    rebuilt = plan_from_spec(pickle.loads(pickle.dumps(a.spec())))  # as a worker process does
+    rng = np.random.default_rng(0)
+    with Loader(store, seq_len=L, batch_size=4, layout=layout, seed=3, rank=1, world_size=2,
+                num_workers=0) as ld:
+        for consumed in [0, 8, *rng.integers(0, 10 * a.samples_per_epoch, size=20).tolist()]:
+            want = ld.batch_at(consumed)
+            for plan in (a, b, rebuilt):
+                got = batch_at(plan, consumed, batch_size=4, rank=1, world_size=2)
+                assert same([got], [want]), consumed
+    assert a.fingerprint == b.fingerprint == rebuilt.fingerprint == ld.fingerprint
+    for plan in (a, b, rebuilt):
+        plan.close()
+
+
+def test_close_closes_only_the_stores_the_plan_opened(store):
+    mine = TokenStore(store)
+    plan = BatchPlan.open({mine: 0.5, str(store): 0.5}, LayoutConfig(seq_len=L))
+    batch_at(plan, 0, batch_size=2)
+    plan.close()
+    plan.close()  # idempotent
+    assert len(mine.shard(0))  # the caller's store stays open
+    with pytest.raises(StoreError, match="closed"):
+        plan.sources[1].store.shard(1)
+
+
+def test_identity_survives_a_rewrite_of_the_same_store_but_not_another(tmp_path):
+    path = write_positional_store(tmp_path / "s", [30] * 20, shard_tokens=200)
+    store = TokenStore(path)
+    want = identity_of(store)
+    manifest = (path / "manifest.json").read_bytes()
+    os.replace(path / "manifest.json", tmp_path / "old")
+    (path / "manifest.json").write_bytes(manifest)  # a new inode, the same tokens
+    again = check_identity(store, want)
+    assert again.manifest != want.manifest and again.fingerprint == want.fingerprint
+    write_positional_store(path, [30] * 20, shard_tokens=200, offset=7)  # other tokens
+    with pytest.raises(StoreError, match="re-prepared or replaced"):
+        check_identity(store, again)
+    (path / "manifest.json").unlink()
+    with pytest.raises(StoreError, match="manifest.json.*re-prepared or replaced"):
+        check_identity(store, again)
+    reopened = write_positional_store(tmp_path / "t", [30] * 20, shard_tokens=200, offset=7)
+    with pytest.raises(StoreError, match="fingerprint"):
+        check_identity(TokenStore(reopened), want)  # what a worker meets: another store
+
+
+def test_consumed_of_checks_the_whole_state():
+    state = {"version": 1, "consumed_samples": np.int64(8), "fingerprint": "f"}
+    assert consumed_of(state, "f") == 8 and type(consumed_of(state, "f")) is int
+    for bad, match in [({**state, "version": True}, "version"), ({**state, "fingerprint": "g"},
+                       "fingerprint"), ({**state, "consumed_samples": 8.0}, "got 8.0"),
+                       (json.dumps(state, default=int), "version")]:
+        with pytest.raises(ConfigError, match=match):
+            consumed_of(bad, "f")
