@@ -80,11 +80,156 @@ def write_positional_store(path: Path, lengths, *, shard_tokens: int = 1 << 30, 
     return path
 
 
+def lengths_summing_to(total: int, *, docs: int, longest: int, seed: int):
+    """``docs`` random document lengths in [1, longest), the last one stretched so that they
+    sum to exactly ``total`` tokens (e.g. (n + 1)·seq_len: exactly n concat samples)."""
+    import numpy as np
+    lengths = np.random.default_rng(seed).integers(1, longest, size=docs)
+    lengths[-1] += total - lengths.sum()
+    assert lengths[-1] > 0, f"{docs} documents of up to {longest} tokens exceed {total}"
+    return lengths
+
+
 def docs_of(path) -> list[list[int]]:
     """Every document of the store at ``path``, as lists of token ids."""
     from tokenmill.store import TokenStore
     with TokenStore(path) as s:
         return [s[i].tolist() for i in range(len(s))]
+
+
+def run_guide(name: str, tmp_path: Path, *, drop_env: tuple[str, ...] = ()):
+    """Run the python blocks of docs/``name``, in order, as one script ``guide.py`` in the empty
+    directory ``tmp_path`` (a fresh interpreter, offline); it must exit 0. Its finished process."""
+    import re
+    import subprocess
+    import sys
+    guide = Path(__file__).resolve().parents[1] / "docs" / name
+    code = "\n".join(re.findall(r"```python\n(.*?)```", guide.read_text(), re.S))
+    assert code, f"docs/{name} has no python block"
+    (tmp_path / "guide.py").write_text(code)
+    env = {k: v for k, v in os.environ.items() if k not in drop_env}
+    env["HF_HUB_OFFLINE"] = "1"
+    done = subprocess.run([sys.executable, "guide.py"], cwd=tmp_path, env=env, timeout=300,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+# ---- tokenizers (built here, nothing from the network) ----------------------------------
+
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+MULTILINGUAL = [
+    "The quick brown fox doesn't jump; it's 3.14 times lazier than 1,000 dogs.\n",
+    "Ça va très bien, merci ! Straße, naïve café, façade, Åsa och Örjan.\n",
+    "日本語のテキストと中文文本、そして한국어 텍스트.\n",
+    "Привет, мир! Γειά σου κόσμε. مرحبا بالعالم. नमस्ते दुनिया।\n",
+    "emoji 😀👍🏽 👨‍👩‍👧 🇫🇷 ✨\n",
+    "    for i in range(10):\n        print(i ** 2)  # squares\n\n\n",
+]
+FRAGMENTS = ["<|endoftext|>", " ", "  ", "   ", "\n", "\n\n", "\r\n", "\t", "'s", "'S", "'ll",
+             "don't", "1234567", "3.14", "😀", "👨‍👩‍👧", "日本", "e\u0301", "\u00a0", "\u3000",
+             "def f(x):\n    return x\n", "Ġ", "<|endoftext", "|>", "<|endoftext|><|endoftext|>"]
+
+
+def training_texts() -> list[str]:
+    """Real text to train on: a few stdlib modules' sources plus some multilingual lines."""
+    names = ["textwrap.py", "string.py", "shlex.py", "fnmatch.py", "bisect.py", "heapq.py"]
+    return [(STDLIB / n).read_text(encoding="utf-8") for n in names] + MULTILINGUAL * 20
+
+
+@pytest.fixture(scope="session")
+def gpt2_json(tmp_path_factory) -> str:
+    """A GPT-2-style byte-level BPE (vocab 800) trained by train_bpe."""
+    from tokenmill.tokenizer import train_bpe
+    path = tmp_path_factory.mktemp("gpt2") / "tokenizer.json"
+    return train_bpe(training_texts(), 800, out_path=path)
+
+
+@pytest.fixture(scope="session")
+def llama3_json(tmp_path_factory) -> str:
+    """A Llama-3-style BPE: Split(regex, isolated) then ByteLevel(use_regex=False), ignore_merges."""
+    from tokenizers import Regex, Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(training_texts(), trainers.BpeTrainer(
+        vocab_size=700, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    config = json.loads(tok.to_str())
+    config["model"]["ignore_merges"] = True  # as in Meta's file
+    path = tmp_path_factory.mktemp("llama3") / "tokenizer.json"
+    path.write_text(json.dumps(config), encoding="utf-8")
+    return str(path)
+
+
+def edited(src: str, dst: Path, edit) -> str:
+    """A copy of tokenizer.json `src` at `dst` with `edit(config)` applied."""
+    config = json.loads(Path(src).read_text(encoding="utf-8"))
+    edit(config)
+    dst.write_text(json.dumps(config), encoding="utf-8")
+    return str(dst)
+
+
+def ids_of(tok, texts):
+    """Every text's ids, as lists."""
+    return [x.tolist() for x in tok.encode_batch(texts)]
+
+
+# ---- a local S3 server (moto) ------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A moto S3 server on 127.0.0.1 for the whole session, stopped at the end."""
+    import logging
+
+    import moto.server as moto_server
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+class S3:
+    """One fresh bucket; AWS_* variables point at the local server only while the test runs."""
+
+    def __init__(self, endpoint: str, bucket: str):
+        import s3fs
+        self.endpoint, self.bucket = endpoint, bucket
+        self.fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        self.fs.mkdir(bucket)
+
+    def url(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    def put_dir(self, local: Path, key: str) -> str:
+        for p in sorted(local.iterdir()):
+            if p.is_file():
+                self.fs.put_file(str(p), f"{self.bucket}/{key}/{p.name}")
+        return self.url(key)
+
+    def objects(self, key: str) -> dict[str, bytes]:
+        self.fs.invalidate_cache()
+        return {Path(p).name: self.fs.cat_file(p) for p in self.fs.ls(f"{self.bucket}/{key}")}
+
+
+@pytest.fixture
+def s3(s3_endpoint, monkeypatch, tmp_path):
+    """A fresh bucket on the session's moto server, AWS_* set for this test only."""
+    import uuid
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "default-cache"))
+    return S3(s3_endpoint, f"t-{uuid.uuid4().hex[:12]}")
 
 
 # ---- batch streams ----------------------------------------------------------------------------

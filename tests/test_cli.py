@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from conftest import write_jsonl
-from test_remote import S3, s3, s3_endpoint  # noqa: F401  (the moto S3 fixtures)
 from tokenmill.cli import main, ordinary_failure, say
 from tokenmill.errors import StoreError
 

@@ -2,7 +2,7 @@
 
 import json
 
-from tokenmill.demo import DemoConfig, format_table, run_demo, stdlib_documents
+from tokenmill.demo import format_table, run_demo, stdlib_documents
 from tokenmill.store import verify_store
 
 

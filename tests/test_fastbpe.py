@@ -15,15 +15,13 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import store_bytes, write_jsonl
-from hypothesis import given, settings, strategies as st
-from test_tokenizer import (  # noqa: F401  (gpt2_json, llama3_json: fixtures)
-    FRAGMENTS, MULTILINGUAL, edited, gpt2_json, ids_of, llama3_json, training_texts,
+from conftest import (
+    FRAGMENTS, MULTILINGUAL, ids_of, store_bytes, training_texts, write_jsonl,
 )
+from hypothesis import given, settings, strategies as st
 from tokenizers import AddedToken, Regex, Tokenizer as HFTok, decoders, models, normalizers
 from tokenizers import pre_tokenizers, trainers
 
-from tokenmill import fastbpe
 from tokenmill.errors import ConfigError, TokenizerError
 from tokenmill.fastbpe import PROOF_SAMPLE, FastokensEngine, proof_sample
 from tokenmill.tokenizer import encode_documents, load_tokenizer
@@ -320,7 +318,10 @@ def test_the_store_is_the_same_whichever_engine_runs(gpt2_json, tmp_path):
                      gpt2_json, "--tokenizer-engine", engine, "--workers", workers,
                      "--quiet"]) == 0
         stores[engine] = store_bytes(out)
-    assert stores["fastokens"] == stores["tiktoken"] == stores["hf"]
-    manifest = json.loads(stores["hf"]["manifest.json"])
+    manifests = {e: json.loads(files.pop("manifest.json")) for e, files in stores.items()}
+    assert stores["fastokens"] == stores["tiktoken"] == stores["hf"]  # every shard, byte for byte
+    same = ("fingerprint", "tokenizer", "shards", "num_tokens", "num_documents", "settings")
+    assert len({json.dumps([m.get(k) for k in same]) for m in manifests.values()}) == 1
+    manifest = manifests["hf"]
     flat, _ = encode_documents(load_tokenizer(gpt2_json, engine="hf"), texts)
     assert (manifest["num_documents"], manifest["num_tokens"]) == (len(texts), len(flat))

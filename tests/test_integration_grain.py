@@ -1,18 +1,13 @@
 """Grain integration: a store as a RandomAccessDataSource, read through Grain's own pipelines,
 with two mp_prefetch worker processes and Grain's checkpoints."""
 
-import os
 import pickle
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import grain
 import numpy as np
 import pytest
 
-from conftest import write_positional_store
+from conftest import lengths_summing_to, run_guide, write_positional_store
 from tokenmill.errors import ConfigError
 from tokenmill.integrations.grain import TokenSource, source
 from tokenmill.loader import Loader
@@ -23,10 +18,7 @@ L = 8
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """Token = global position: 60·L + L tokens, 60 concat windows, over 3 shards."""
-    rng = np.random.default_rng(11)
-    lengths = rng.integers(1, 30, size=25)
-    lengths[-1] += 61 * L - lengths.sum()
-    assert lengths[-1] > 0
+    lengths = lengths_summing_to(61 * L, docs=25, longest=30, seed=11)
     return write_positional_store(tmp_path_factory.mktemp("g") / "store", lengths, shard_tokens=200)
 
 
@@ -106,11 +98,5 @@ def test_bad_settings_are_refused_with_the_value(store):
 
 def test_guide_example_runs(tmp_path):
     """docs/guide-grain.md's python blocks, in order, as one script in an empty directory."""
-    guide = Path(__file__).resolve().parents[1] / "docs" / "guide-grain.md"
-    code = "\n".join(re.findall(r"```python\n(.*?)```", guide.read_text(), re.S))
-    (tmp_path / "guide.py").write_text(code)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "guide.py"], cwd=tmp_path, env=env, timeout=300,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = run_guide("guide-grain.md", tmp_path)
     assert "(8, 256)" in done.stdout

@@ -6,7 +6,6 @@ this file is also the script they run (``python test_integration_jax.py MODE STO
 
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -60,14 +59,8 @@ def test_two_processes_make_one_global_array(store):
 
 def test_guide_example_runs(tmp_path):
     """docs/guide-jax.md's python blocks, in order, as one script in an empty directory."""
-    guide = Path(__file__).resolve().parents[1] / "docs" / "guide-jax.md"
-    code = "\n".join(re.findall(r"```python\n(.*?)```", guide.read_text(), re.S))
-    (tmp_path / "guide.py").write_text(code)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.pop("XLA_FLAGS", None)
-    done = subprocess.run([sys.executable, "guide.py"], cwd=tmp_path, env=env, timeout=300,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
+    from conftest import run_guide  # lazily, as above: this file is a script too
+    done = run_guide("guide-jax.md", tmp_path, drop_env=("XLA_FLAGS",))
     assert "loss after 20 steps" in done.stdout
 
 

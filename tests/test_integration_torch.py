@@ -3,12 +3,7 @@ DataLoader/StatefulDataLoader workers, exact resume, and two real gloo ranks."""
 
 import contextlib
 import json
-import os
 import pickle
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +13,7 @@ import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from conftest import same, take, write_positional_store
+from conftest import lengths_summing_to, run_guide, same, take, write_positional_store
 from tokenmill.errors import ConfigError, StoreError
 from tokenmill.integrations.torch import TokenDataset, TorchBatches, to_torch
 from tokenmill.loader import Loader
@@ -29,10 +24,7 @@ L = 8
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """Token = global position; 96·L + L tokens: 96 concat samples an epoch, over 3 shards."""
-    rng = np.random.default_rng(5)
-    lengths = rng.integers(1, 40, size=30)
-    lengths[-1] += 97 * L - lengths.sum()
-    assert lengths[-1] > 0
+    lengths = lengths_summing_to(97 * L, docs=30, longest=40, seed=5)
     return write_positional_store(tmp_path_factory.mktemp("t") / "store", lengths, shard_tokens=300)
 
 
@@ -308,11 +300,5 @@ def test_two_gloo_ranks_split_an_epoch_disjointly_and_completely(store, tmp_path
 
 def test_guide_example_runs(tmp_path):
     """docs/guide-torch.md's python blocks, in order, as one script in an empty directory."""
-    guide = Path(__file__).resolve().parents[1] / "docs" / "guide-torch.md"
-    code = "\n".join(re.findall(r"```python\n(.*?)```", guide.read_text(), re.S))
-    (tmp_path / "guide.py").write_text(code)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "guide.py"], cwd=tmp_path, env=env, timeout=300,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = run_guide("guide-torch.md", tmp_path)
     assert "loss after 60 steps" in done.stdout

@@ -230,7 +230,6 @@ def test_dead_worker_process_is_an_error_not_a_hang(store):
 
 
 def test_nothing_left_after_close_or_gc(store):
-    import psutil
     before_threads = set(threading.enumerate())
     for kind in ("thread", "process"):
         ld = Loader(store, seq_len=L, batch_size=4, num_workers=2, worker_type=kind, rank=0,

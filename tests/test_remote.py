@@ -14,15 +14,14 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 import xxhash
 
-import s3fs  # noqa: F401  (dev dependencies: a missing one is a broken install, not a skip)
-import moto.server as moto_server
+import moto.server  # noqa: F401  (dev dependencies: a missing one is a broken install,
+import s3fs  # noqa: F401  not a skip; the moto fixtures `s3`, `s3_endpoint` are in conftest)
 
 import tokenmill  # noqa: E402
 from conftest import store_bytes, write_jsonl, write_positional_store  # noqa: E402
@@ -36,54 +35,6 @@ from tokenmill.store.cache import CacheFullError, ShardCache  # noqa: E402
 
 DOC = 500  # tokens per document of the positional stores
 BIN = 8 * DOC * 4  # 8 int32 documents per shard: 16,000 bytes
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    """A moto S3 server on 127.0.0.1 for the whole session, stopped at the end."""
-    import logging
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-class S3:
-    """One fresh bucket; AWS_* variables point at the local server only while the test runs."""
-
-    def __init__(self, endpoint: str, bucket: str):
-        import s3fs
-        self.endpoint, self.bucket = endpoint, bucket
-        self.fs = s3fs.S3FileSystem(skip_instance_cache=True)
-        self.fs.mkdir(bucket)
-
-    def url(self, key: str) -> str:
-        return f"s3://{self.bucket}/{key}"
-
-    def put_dir(self, local: Path, key: str) -> str:
-        for p in sorted(local.iterdir()):
-            if p.is_file():
-                self.fs.put_file(str(p), f"{self.bucket}/{key}/{p.name}")
-        return self.url(key)
-
-    def objects(self, key: str) -> dict[str, bytes]:
-        self.fs.invalidate_cache()
-        return {Path(p).name: self.fs.cat_file(p) for p in self.fs.ls(f"{self.bucket}/{key}")}
-
-
-@pytest.fixture
-def s3(s3_endpoint, monkeypatch, tmp_path):
-    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "default-cache"))
-    return S3(s3_endpoint, f"t-{uuid.uuid4().hex[:12]}")
 
 
 @pytest.fixture

@@ -335,13 +335,7 @@ def write_stream(path, batches, schema=None) -> str:
     ([["a", "b"], ["c", None]], None, "non_string_field", "row 4 (record batch 1)", "'text' is null")])
 def test_bad_arrow_stream(tmp_path, batches, schema, reason, where, detail):
     p = write_stream(tmp_path / "a.arrow", batches, schema)
-    with pytest.raises(InputError) as e:
-        events(p, unit_bytes=1)
-    assert (e.value.path, e.value.where, e.value.reason) == (p, where, reason) and detail in str(e.value)
-    got = events(p, unit_bytes=1, on_error="skip")
-    assert [x for x in got if isinstance(x, Skip)] == [Skip(p, where, reason, detail)]
-    if where != "file":
-        assert got == ["a", "b", "c", Skip(p, where, reason, detail)]
+    assert_raised_then_skipped(p, where, reason, detail, ["a", "b", "c", None])
 
 
 def test_empty_texts_in_a_dataset_are_skipped_with_their_row(tmp_path):
@@ -617,13 +611,20 @@ def test_corrupt_files_are_unreadable(tmp_path, name, data):
 def test_bad_parquet(tmp_path, table, reason, where, detail):
     p = str(tmp_path / "a.parquet")
     pq.write_table(table, p, row_group_size=3)
+    assert_raised_then_skipped(p, where, reason, detail, ["a", "b", "c", "d", None, "f"])
+
+
+def assert_raised_then_skipped(p, where, reason, detail, rows):
+    """A bad columnar file: InputError naming ``where`` and ``reason`` by default; with
+    on_error="skip", that one Skip, and for a bad row the other ``rows`` (None: the bad one)."""
     with pytest.raises(InputError) as e:
         events(p, unit_bytes=1)
     assert (e.value.path, e.value.where, e.value.reason) == (p, where, reason) and detail in str(e.value)
     got = events(p, unit_bytes=1, on_error="skip")
-    assert [x for x in got if isinstance(x, Skip)] == [Skip(p, where, reason, detail)]
+    skip = Skip(p, where, reason, detail)
+    assert [x for x in got if isinstance(x, Skip)] == [skip]
     if where != "file":
-        assert got == ["a", "b", "c", "d", Skip(p, where, reason, detail), "f"]
+        assert got == [skip if r is None else r for r in rows]
 
 
 def test_reasons_are_the_contract():

@@ -55,7 +55,6 @@ def independent_read(prefix):
     doc_idx = np.frombuffer(raw, "<i8", m, off + 12 * n)
     assert len(raw) == off + 12 * n + 8 * m
     data = open(f"{prefix}.bin", "rb").read()
-    itemsize = np.dtype(dtype).itemsize
     docs = [np.frombuffer(data, dtype, int(ln), int(p)).tolist() for ln, p in zip(lengths, pointers)]
     return docs, doc_idx.tolist()
 
@@ -65,7 +64,7 @@ def test_shards_read_back_by_independent_reader(tmp_path, dtype):
     lengths = [7, 1, 30, 45, 2, 60, 3, 9, 11]
     docs = positional_docs(lengths)
     manifest = write_store(tmp_path, docs, dtype=dtype, shard_tokens=50)
-    got, boundaries = [], []
+    got = []
     for s in manifest["shards"]:
         d, idx = independent_read(tmp_path / s["name"])
         got += d

@@ -5,7 +5,6 @@ import io
 import json
 import os
 import pickle
-import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +14,10 @@ from hypothesis import given, strategies as st
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tokenizers import Regex, Tokenizer as HFTok, decoders, models  # noqa: E402
+from tokenizers import Regex, Tokenizer as HFTok, models  # noqa: E402
 from tokenizers import pre_tokenizers, trainers  # noqa: E402
+
+from conftest import FRAGMENTS, MULTILINGUAL, edited, ids_of, training_texts  # noqa: E402
 
 from tokenmill import tokenizer as tkz  # noqa: E402
 from tokenmill.errors import ConfigError, TokenizerError  # noqa: E402
@@ -24,65 +25,6 @@ from tokenmill.fastbpe import _bytes_to_unicode, scrub  # noqa: E402
 from tokenmill.tokenizer import (  # noqa: E402
     encode_documents, load_tokenizer, token_dtype, train_bpe,
 )
-
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-MULTILINGUAL = [
-    "The quick brown fox doesn't jump; it's 3.14 times lazier than 1,000 dogs.\n",
-    "Ça va très bien, merci ! Straße, naïve café, façade, Åsa och Örjan.\n",
-    "日本語のテキストと中文文本、そして한국어 텍스트.\n",
-    "Привет, мир! Γειά σου κόσμε. مرحبا بالعالم. नमस्ते दुनिया।\n",
-    "emoji 😀👍🏽 👨‍👩‍👧 🇫🇷 ✨\n",
-    "    for i in range(10):\n        print(i ** 2)  # squares\n\n\n",
-]
-FRAGMENTS = ["<|endoftext|>", " ", "  ", "   ", "\n", "\n\n", "\r\n", "\t", "'s", "'S", "'ll",
-             "don't", "1234567", "3.14", "😀", "👨‍👩‍👧", "日本", "e\u0301", "\u00a0", "\u3000",
-             "def f(x):\n    return x\n", "Ġ", "<|endoftext", "|>", "<|endoftext|><|endoftext|>"]
-
-
-def training_texts() -> list[str]:
-    """Real text to train on: a few stdlib modules' sources plus some multilingual lines."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    names = ["textwrap.py", "string.py", "shlex.py", "fnmatch.py", "bisect.py", "heapq.py"]
-    return [(stdlib / n).read_text(encoding="utf-8") for n in names] + MULTILINGUAL * 20
-
-
-@pytest.fixture(scope="module")
-def gpt2_json(tmp_path_factory) -> str:
-    """A GPT-2-style byte-level BPE (vocab 800) trained by train_bpe."""
-    path = tmp_path_factory.mktemp("gpt2") / "tokenizer.json"
-    return train_bpe(training_texts(), 800, out_path=path)
-
-
-@pytest.fixture(scope="module")
-def llama3_json(tmp_path_factory) -> str:
-    """A Llama-3-style BPE: Split(regex, isolated) then ByteLevel(use_regex=False), ignore_merges."""
-    tok = HFTok(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(training_texts(), trainers.BpeTrainer(
-        vocab_size=700, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    config = json.loads(tok.to_str())
-    config["model"]["ignore_merges"] = True  # as in Meta's file
-    path = tmp_path_factory.mktemp("llama3") / "tokenizer.json"
-    path.write_text(json.dumps(config), encoding="utf-8")
-    return str(path)
-
-
-def edited(src: str, dst: Path, edit) -> str:
-    """A copy of tokenizer.json `src` at `dst` with `edit(config)` applied."""
-    config = json.loads(Path(src).read_text(encoding="utf-8"))
-    edit(config)
-    dst.write_text(json.dumps(config), encoding="utf-8")
-    return str(dst)
-
-
-def ids_of(tok, texts):
-    return [x.tolist() for x in tok.encode_batch(texts)]
-
 
 # ---- bytes --------------------------------------------------------------------------------------
 

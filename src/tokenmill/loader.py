@@ -30,7 +30,7 @@ from tokenmill.plan import (STATE_VERSION, BatchPlan, LayoutConfig, batch_at, co
                             global_positions, resolve_rank)
 from tokenmill.procs import usable_cores
 from tokenmill.store.reader import TokenStore
-from tokenmill.streaming import open_stream as StreamLoader
+from tokenmill.streaming import open_stream
 from tokenmill.workers import ProcessPool
 
 __all__ = ["Loader", "LoaderOptions", "StaleIterator", "memory_plan"]
@@ -51,6 +51,7 @@ class LoaderOptions:
     dtype: str = "int32"  # of inputs/targets: "int32" or "int64"
     worker_type: str = "thread"  # "thread" or "process"
     cache_dir: str | os.PathLike | None = None  # where packed layouts are cached
+    max_segments: int | None = None  # packed: at most this many documents a row (kernel limits)
 
     def __post_init__(self):
         if self.prefetch != "auto" and (isinstance(self.prefetch, bool) or
@@ -162,8 +163,9 @@ class Loader:
                  batch_size: int, layout: str = "concat", seed: int = 0,
                  rank: int | None = None, world_size: int | None = None,
                  num_workers: int | str = "auto", **options: Any):
-        self.config = LayoutConfig(seq_len=seq_len, layout=layout, seed=seed)
         self.options = opts = LoaderOptions.of(options)
+        self.config = LayoutConfig(seq_len=seq_len, layout=layout, seed=seed,
+                                   max_segments=opts.max_segments)
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or \
                 batch_size < 1:
             raise ConfigError(f"batch_size must be an int >= 1 (got batch_size={batch_size!r})")
@@ -205,7 +207,7 @@ class Loader:
         which later epochs read. ``options`` are ``prepare``'s (text_key, shard_tokens, …).
         See docs/streaming.md.
         """
-        return StreamLoader(inputs, tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size,
+        return open_stream(inputs, tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size,
                             cache_dir=cache_dir, seed=seed, rank=rank, world_size=world_size,
                             num_workers=num_workers, shuffle_buffer=shuffle_buffer, **options)
 
@@ -382,7 +384,8 @@ class Loader:
 
     @property
     def layout_stats(self) -> dict[str, Any]:
-        """Samples per epoch, and for packed rows the padding fraction and truncation count."""
+        """Samples per epoch; packed: padding fraction, documents cut (num_truncated), the
+        max_segments cap and the most segments any row holds."""
         stats: dict[str, Any] = {"samples_per_epoch": self.samples_per_epoch,
                                  "steps_per_epoch": len(self)}
         if self.plan.packed:
@@ -390,6 +393,8 @@ class Loader:
             stats["padding_fraction"] = sum(s.packed.padding_fraction * s.packed.num_rows
                                             for s in self.plan.sources) / rows
             stats["num_truncated"] = sum(s.packed.num_truncated for s in self.plan.sources)
+            stats["max_segments"] = self.config.max_segments
+            stats["most_segments"] = max(s.packed.most_segments for s in self.plan.sources)
         if self.plan.schedule is not None:
             stats["mixture_weights"] = [float(w) for w in self.plan.schedule.weights]
         return stats

@@ -9,10 +9,13 @@ offset in [0, seq_len) moves with the epoch; consecutive windows share one token
 
 packed: rows of C = seq_len + 1 tokens, each a list of segments (whole documents, or pieces of
 documents longer than C), placed by best-fit decreasing; padding is token 0 and the loss mask is 0
-wherever input and target do not belong to the same segment.
+wherever input and target do not belong to the same segment. With max_segments = m, a row takes
+at most m segments (kernels with a segment limit): a row holding m is closed, however much room
+it has left, and that room is padding.
 
-Cache file (`packed-<key>-seq<seq_len>.npz`, uncompressed, written to a temp name + os.replace):
-    meta      int64[5]   FORMAT_VERSION, seq_len, num_truncated, num_dropped_tokens, num_docs
+Cache file (`packed-<key>-seq<seq_len>[-seg<m>].npz`, uncompressed, temp name + os.replace):
+    meta      int64[6]   FORMAT_VERSION, seq_len, num_truncated, num_dropped_tokens, num_docs,
+                         max_segments (0: no cap; a file of 5 entries, written before, means 0)
     lengths   uint64[1]  xxh3-64 of the int64 doc_lengths the layout was built from
     row_ptr   int64[num_rows + 1]
     seg_start int64[S]   global token offset of each segment
@@ -135,6 +138,7 @@ class PackedLayout:
     seg_doc: np.ndarray  # int64[S]: document id
     num_truncated: int  # documents longer than a row, cut into pieces
     num_dropped_tokens: int  # one-token tail pieces dropped (each is already its piece's last target)
+    max_segments: int | None = None  # cap on segments per row (None: no cap)
 
     @property
     def capacity(self) -> int:
@@ -151,6 +155,11 @@ class PackedLayout:
         if self.num_rows == 0:
             return 0.0
         return 1.0 - int(self.seg_len.sum()) / (self.num_rows * self.capacity)
+
+    @property
+    def most_segments(self) -> int:
+        """The largest number of segments in one row."""
+        return int(np.diff(self.row_ptr).max(initial=0))
 
 
 def _pieces(doc_lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -169,12 +178,16 @@ def _pieces(doc_lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarr
     return doc, offset, length
 
 
-def _best_fit(lengths: list[int], capacity: int, first_row: int) -> np.ndarray:
+def _best_fit(lengths: list[int], capacity: int, first_row: int,
+              max_segments: int = 0) -> np.ndarray:
     """Row of each item (lengths sorted decreasing) by best fit: the open row with the least
-    room that fits, ties to the lowest row id; a new row when none fits.
+    room that fits, ties to the lowest row id; a new row when none fits. With max_segments > 0,
+    a row that holds that many items is closed.
 
     _best_fit([5, 4, 3, 2, 1], 6, 0).tolist() == [0, 1, 2, 1, 0]
     """
+    full = max_segments if max_segments > 0 else capacity + 1  # a row never holds > capacity
+    counts: dict[int, int] = {}
     buckets: list[list[int]] = [[] for _ in range(capacity + 1)]  # room → heap of row ids
     mask = 0  # bit r set ⇔ some open row has exactly r tokens of room
     rows = np.empty(len(lengths), dtype=np.int64)
@@ -193,7 +206,8 @@ def _best_fit(lengths: list[int], capacity: int, first_row: int) -> np.ndarray:
             next_row += 1
         rows[i] = row
         room -= length
-        if room:
+        n = counts[row] = counts.get(row, 0) + 1
+        if room and n < full:
             bucket = buckets[room]
             if not bucket:
                 mask |= 1 << room
@@ -212,12 +226,24 @@ def _check_lengths(doc_lengths: np.ndarray) -> np.ndarray:
     return lengths.astype(np.int64)
 
 
-def pack_documents(doc_lengths: np.ndarray, seq_len: int) -> PackedLayout:
-    """Pack documents into rows of seq_len + 1 tokens by best-fit decreasing.
+def _check_max_segments(max_segments) -> int | None:
+    if max_segments is None:
+        return None
+    if isinstance(max_segments, bool) or not isinstance(max_segments, (int, np.integer)) or \
+            max_segments < 1:
+        raise ConfigError(f"max_segments must be None or an int >= 1 (got {max_segments=!r})")
+    return int(max_segments)
+
+
+def pack_documents(doc_lengths: np.ndarray, seq_len: int,
+                   max_segments: int | None = None) -> PackedLayout:
+    """Pack documents into rows of seq_len + 1 tokens by best-fit decreasing, at most
+    max_segments segments a row (None: no cap).
 
     pack_documents(np.array([3, 2, 4]), seq_len=4).row_ptr.tolist() == [0, 1, 3]
     """
     seq_len = _check_seq_len(seq_len)
+    max_segments = _check_max_segments(max_segments)
     lengths = _check_lengths(doc_lengths)
     capacity = seq_len + 1
     doc, offset, length = _pieces(lengths, seq_len)
@@ -225,7 +251,8 @@ def pack_documents(doc_lengths: np.ndarray, seq_len: int) -> PackedLayout:
     order = np.argsort(-length, kind="stable")
     n_full = int(np.count_nonzero(length == capacity))  # a full piece fills a row alone
     rows = np.concatenate([np.arange(n_full, dtype=np.int64),
-                           _best_fit(length[order[n_full:]].tolist(), capacity, n_full)])
+                           _best_fit(length[order[n_full:]].tolist(), capacity, n_full,
+                                     max_segments or 0)])
     # segments in row order (rows numbered by creation), within a row in the order placed
     order = order[np.argsort(rows, kind="stable")]
     counts = np.bincount(rows, minlength=int(rows.max(initial=-1)) + 1)
@@ -236,7 +263,8 @@ def pack_documents(doc_lengths: np.ndarray, seq_len: int) -> PackedLayout:
         seq_len=seq_len, row_ptr=row_ptr,
         seg_start=starts[doc[order]] + offset[order], seg_len=length[order], seg_doc=doc[order],
         num_truncated=int(np.count_nonzero(long)),
-        num_dropped_tokens=int(np.count_nonzero(long & ((lengths - 1) % seq_len == 0))))
+        num_dropped_tokens=int(np.count_nonzero(long & ((lengths - 1) % seq_len == 0))),
+        max_segments=max_segments)
     _freeze(layout)
     return layout
 
@@ -322,7 +350,8 @@ def _lengths_digest(lengths: np.ndarray) -> int:
 def _to_arrays(layout: PackedLayout, lengths: np.ndarray) -> dict[str, np.ndarray]:
     arrays = {
         "meta": np.array([FORMAT_VERSION, layout.seq_len, layout.num_truncated,
-                          layout.num_dropped_tokens, len(lengths)], dtype=np.int64),
+                          layout.num_dropped_tokens, len(lengths), layout.max_segments or 0],
+                         dtype=np.int64),
         "lengths": np.array([_lengths_digest(lengths)], dtype=np.uint64),
         "row_ptr": layout.row_ptr, "seg_start": layout.seg_start,
         "seg_len": layout.seg_len, "seg_doc": layout.seg_doc,
@@ -331,7 +360,8 @@ def _to_arrays(layout: PackedLayout, lengths: np.ndarray) -> dict[str, np.ndarra
     return arrays
 
 
-def _read_cache(path: Path, lengths: np.ndarray, seq_len: int) -> PackedLayout:
+def _read_cache(path: Path, lengths: np.ndarray, seq_len: int,
+                max_segments: int | None = None) -> PackedLayout:
     """The layout cached at path, or ValueError saying why it cannot be trusted."""
     with np.load(path, allow_pickle=False) as f:
         arrays = {name: f[name] for name in (*_ARRAYS, "checksum")}
@@ -340,12 +370,14 @@ def _read_cache(path: Path, lengths: np.ndarray, seq_len: int) -> PackedLayout:
         raise ValueError(f"format version {meta[0]}, this tokenmill writes {FORMAT_VERSION}")
     if int(arrays["checksum"][0]) != _digest(arrays):
         raise ValueError("checksum mismatch (the file is damaged)")
-    if meta[1] != seq_len or int(arrays["lengths"][0]) != _lengths_digest(lengths):
-        raise ValueError("built for other documents or another seq_len than asked for")
+    cap = int(meta[5]) if len(meta) > 5 else 0
+    if meta[1] != seq_len or int(arrays["lengths"][0]) != _lengths_digest(lengths) or \
+            cap != (max_segments or 0):
+        raise ValueError("built for other documents, seq_len or max_segments than asked for")
     layout = PackedLayout(seq_len=seq_len, row_ptr=arrays["row_ptr"],
                           seg_start=arrays["seg_start"], seg_len=arrays["seg_len"],
                           seg_doc=arrays["seg_doc"], num_truncated=int(meta[2]),
-                          num_dropped_tokens=int(meta[3]))
+                          num_dropped_tokens=int(meta[3]), max_segments=max_segments)
     _freeze(layout)
     return layout
 
@@ -396,7 +428,7 @@ def _write_atomic(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
 
 
 def load_or_build_packed(cache_dir: str | os.PathLike, *, key: str, doc_lengths: np.ndarray,
-                         seq_len: int) -> PackedLayout:
+                         seq_len: int, max_segments: int | None = None) -> PackedLayout:
     """The packed layout of doc_lengths, from cache_dir if a valid cache is there, else built
     and cached. A damaged, stale or other-version cache is rebuilt with a warning; an
     unwritable cache_dir means building in memory (warned once per directory).
@@ -408,16 +440,18 @@ def load_or_build_packed(cache_dir: str | os.PathLike, *, key: str, doc_lengths:
                           f"(got {key=!r})")
     seq_len = _check_seq_len(seq_len)
     lengths = _check_lengths(doc_lengths)
-    path = Path(cache_dir) / f"packed-{key}-seq{seq_len}.npz"
+    max_segments = _check_max_segments(max_segments)
+    cap = "" if max_segments is None else f"-seg{max_segments}"
+    path = Path(cache_dir) / f"packed-{key}-seq{seq_len}{cap}.npz"
     if path.parent.is_dir():
         _sweep_dead_writers(path)
     if path.exists():
         try:
-            return _read_cache(path, lengths, seq_len)
+            return _read_cache(path, lengths, seq_len, max_segments)
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
             warnings.warn(f"{path}: packed layout cache not usable ({e}); rebuilding it",
                           stacklevel=2)
-    layout = pack_documents(lengths, seq_len)
+    layout = pack_documents(lengths, seq_len, max_segments)
     try:
         _write_atomic(path, _to_arrays(layout, lengths))
     except OSError as e:

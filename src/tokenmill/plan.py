@@ -55,6 +55,7 @@ class LayoutConfig:
     seq_len: int
     layout: str = "concat"
     seed: int = 0
+    max_segments: int | None = None  # packed: at most this many documents (segments) a row
 
     def __post_init__(self):
         if not _is_int(self.seq_len) or self.seq_len < 1:
@@ -63,6 +64,10 @@ class LayoutConfig:
             raise ConfigError(f"layout must be one of {LAYOUTS} (got layout={self.layout!r})")
         if not _is_int(self.seed) or self.seed < 0:
             raise ConfigError(f"seed must be an int >= 0 (got seed={self.seed!r})")
+        if self.max_segments is not None and (not _is_int(self.max_segments) or
+                                              self.max_segments < 1 or self.layout != "packed"):
+            raise ConfigError(f"max_segments must be None or an int >= 1, with layout='packed' "
+                              f"(got max_segments={self.max_segments!r}, layout={self.layout!r})")
 
 
 def _is_int(value) -> bool:
@@ -130,7 +135,8 @@ class SampleSource:
         else:
             self.packed = pack.load_or_build_packed(
                 Path(cache_dir) if cache_dir else Path(store.local_dir) / "layouts",
-                key=store.fingerprint, doc_lengths=store.doc_lengths, seq_len=L)
+                key=store.fingerprint, doc_lengths=store.doc_lengths, seq_len=L,
+                max_segments=config.max_segments)
             self.num_samples = self.packed.num_rows
         self._shard_starts = store.shard_token_starts
         self._shard_start_list = store.shard_token_starts.tolist()
@@ -157,12 +163,12 @@ class SampleSource:
         L = self.config.seq_len
         shard = np.searchsorted(self._shard_starts, addrs, side="right") - 1
         inputs, targets = out["inputs"], out["targets"]
-        starts, maps = self._shard_start_list, {}
+        starts, shard_of = self._shard_start_list, self.store.shard
         for row, s, k in zip(rows.tolist(), addrs.tolist(), shard.tolist()):
             local = s - starts[k]
-            data = maps.get(k)
-            if data is None:  # the store maps shards on demand, a bounded number at a time
-                data = maps[k] = self.store.shard(k)
+            # looked up per row, never held across rows: the store maps shards on demand, a
+            # bounded number at a time, so a batch pins no more shards (or fds) than it allows
+            data = shard_of(k)
             if local + L + 1 <= len(data):  # the usual case: one shard, two slice copies
                 inputs[row] = data[local:local + L]
                 targets[row] = data[local + 1:local + L + 1]
@@ -225,6 +231,8 @@ def fingerprint_of(sources: list[SampleSource], weights: list[float], config: La
     """Hash of everything the sample stream depends on, except batch size and world size."""
     core = {"stores": [(s.store.fingerprint, w) for s, w in zip(sources, weights)],
             "seq_len": config.seq_len, "layout": config.layout, "seed": config.seed}
+    if config.max_segments is not None:  # absent when unset: earlier fingerprints stay valid
+        core["max_segments"] = config.max_segments
     return xxhash.xxh3_64_hexdigest(json.dumps(core, sort_keys=True).encode())
 
 

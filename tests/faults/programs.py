@@ -127,10 +127,40 @@ def ranks(a: dict) -> None:
     print(json.dumps({"ranks": out, "exitcodes": [p.exitcode for p in procs]}), flush=True)
 
 
-def tokenize_then_spawn(a: dict) -> None:
+class ChildWatch:
+    """The command line of every child process seen while the block runs (polled every 10 ms,
+    the latest one kept: a child caught between fork and exec shows the parent's at first)."""
+
+    def __init__(self):
+        import psutil
+        import threading
+        self.me, self.seen = psutil.Process(), {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> ChildWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import psutil
+        while not self._stop.wait(0.01):
+            for c in self.me.children(recursive=True):
+                try:
+                    self.seen[c.pid] = c.cmdline()
+                except psutil.Error:
+                    pass  # ended meanwhile
+
+
+def tokenize_then_start_workers(a: dict) -> None:
     """Use a Hugging Face tokenizer in this process with its thread pool on, then start process
-    pools (prepare with 2 workers, a Loader with 2 process workers): under fork, a child can
-    inherit the pool's locks held and deadlock; tokenmill spawns, so this must finish."""
+    pools (prepare with 2 workers, a Loader with 2 process workers): a forked child could inherit
+    the pool's locks held and deadlock; tokenmill's workers are fresh interpreters
+    (``python -m tokenmill.child``), so this must finish. Prints every child's command line."""
     from tokenizers import Tokenizer
     hf = Tokenizer.from_file(a["tokenizer"])
     with open(a["text"], encoding="utf-8") as f:
@@ -139,20 +169,18 @@ def tokenize_then_spawn(a: dict) -> None:
     print(f"parent tokenized {n} tokens", flush=True)
     from tokenmill import Loader
     from tokenmill.prepare import prepare as run
-    run(a["inputs"], out=a["out"], tokenizer=a["tokenizer"], workers=2, progress=False,
-        shard_tokens=20_000, unit_bytes=32_000)
+    with ChildWatch() as during_prepare:
+        run(a["inputs"], out=a["out"], tokenizer=a["tokenizer"], workers=2, progress=False,
+            shard_tokens=20_000, unit_bytes=32_000)
     n = sum(len(e.ids) for e in hf.encode_batch(texts))  # and again, between pools
-    kinds = set()
-    with Loader(a["out"], seq_len=64, batch_size=4, num_workers=2, worker_type="process",
-                rank=0, world_size=1) as loader:
+    with ChildWatch() as during_loading, \
+            Loader(a["out"], seq_len=64, batch_size=4, num_workers=2, worker_type="process",
+                   rank=0, world_size=1) as loader:
         for _, _ in zip(range(50), loader):
             pass
-        import psutil
-        for c in psutil.Process().children(recursive=True):  # a fresh interpreter, or a fork
-            line = " ".join(c.cmdline())
-            kinds.add("spawn" if "tokenmill.child" in line or "spawn_main" in line or
-                      "resource_tracker" in line else "fork")
-    print(json.dumps({"done": True, "child_kinds": sorted(kinds)}), flush=True)
+    print(json.dumps({"done": True, "parent": sys.orig_argv,
+                      "prepare": sorted(during_prepare.seen.values()),
+                      "loader": sorted(during_loading.seen.values())}), flush=True)
 
 
 def rss(a: dict) -> None:
@@ -186,7 +214,7 @@ def rss(a: dict) -> None:
 
 
 COMMANDS = {"train": train, "iterate": iterate, "prepare": prepare, "ranks": ranks,
-            "tokenize_then_spawn": tokenize_then_spawn, "rss": rss}
+            "tokenize_then_start_workers": tokenize_then_start_workers, "rss": rss}
 
 if __name__ == "__main__":
     COMMANDS[sys.argv[1]](json.loads(sys.argv[2]))

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -149,73 +150,74 @@ def jsonl_file(draw) -> bytes:
     return data
 
 
+def file_skip(data: bytes) -> list[tuple] | None:
+    """The one skip of a whole file (empty; binary: a NUL in its first SNIFF bytes), or None."""
+    if not data:
+        return [("skip", "file", "empty_file")]
+    if b"\0" in data[:SNIFF]:
+        return [("skip", "file", "binary_file")]
+    return None
+
+
+def text_lines(data: bytes) -> Iterator[tuple[str, str | None]]:
+    """("line i", its text, or None if it is not UTF-8) for every "\\n"-terminated line, after a
+    byte-order mark at the very start."""
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    lines = data.split(b"\n")
+    if data.endswith(b"\n"):
+        lines.pop()
+    for i, raw in enumerate(lines, 1):
+        try:
+            yield f"line {i}", raw.decode()
+        except UnicodeDecodeError:
+            yield f"line {i}", None
+
+
+def line_oracle(data: bytes, judge: Callable[[str, str], tuple | None]) -> list[tuple]:
+    """A line-based file's items: its one file skip, or line by line an invalid_utf8 skip or
+    ``judge(where, line)`` (None: the line holds nothing, e.g. a blank JSONL line)."""
+    if (skip := file_skip(data)) is not None:
+        return skip
+    items = (("skip", where, "invalid_utf8") if line is None else judge(where, line)
+             for where, line in text_lines(data))
+    return [item for item in items if item is not None]
+
+
 def jsonl_oracle(data: bytes, key: str = "text") -> list[tuple]:
     """What a JSONL file holds, record by record: ("doc", text) or ("skip", where, reason).
     Stated from the format, not from the reader: one JSON object per "\\n"-terminated line."""
-    if not data:
-        return [("skip", "file", "empty_file")]
-    if b"\0" in data[:SNIFF]:
-        return [("skip", "file", "binary_file")]
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
-    lines = data.split(b"\n")
-    if data.endswith(b"\n"):
-        lines.pop()
-    out = []
-    for i, raw in enumerate(lines, 1):
-        where = f"line {i}"
-        try:
-            line = raw.decode()
-        except UnicodeDecodeError:
-            out.append(("skip", where, "invalid_utf8"))
-            continue
-        if not line.strip(WS):
-            continue
-        try:
-            obj = json.loads(line)
-        except (ValueError, RecursionError):
-            out.append(("skip", where, "malformed_json"))
-            continue
-        if not isinstance(obj, dict):
-            out.append(("skip", where, "malformed_json"))
-        elif key not in obj:
-            out.append(("skip", where, "missing_field"))
-        elif obj[key] == "":
-            out.append(("skip", where, "empty_document"))
-        elif not isinstance(obj[key], str):
-            out.append(("skip", where, "non_string_field"))
-        else:
-            out.append(("doc", obj[key]))
-    return out
+    return line_oracle(data, lambda where, line: jsonl_record(where, line, key))
+
+
+def jsonl_record(where: str, line: str, key: str) -> tuple | None:
+    if not line.strip(WS):
+        return None
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):
+        return ("skip", where, "malformed_json")
+    if not isinstance(obj, dict):
+        return ("skip", where, "malformed_json")
+    if key not in obj:
+        return ("skip", where, "missing_field")
+    if obj[key] == "":
+        return ("skip", where, "empty_document")
+    if not isinstance(obj[key], str):
+        return ("skip", where, "non_string_field")
+    return ("doc", obj[key])
 
 
 def txt_lines_oracle(data: bytes) -> list[tuple]:
-    if not data:
-        return [("skip", "file", "empty_file")]
-    if b"\0" in data[:SNIFF]:
-        return [("skip", "file", "binary_file")]
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
-    lines = data.split(b"\n")
-    if data.endswith(b"\n"):
-        lines.pop()
-    out = []
-    for i, raw in enumerate(lines, 1):
-        try:
-            line = raw.decode()
-        except UnicodeDecodeError:
-            out.append(("skip", f"line {i}", "invalid_utf8"))
-            continue
+    def judge(where: str, line: str) -> tuple:
         line = line[:-1] if line.endswith("\r") else line
-        out.append(("doc", line) if line else ("skip", f"line {i}", "empty_document"))
-    return out
+        return ("doc", line) if line else ("skip", where, "empty_document")
+    return line_oracle(data, judge)
 
 
 def txt_file_oracle(data: bytes) -> list[tuple]:
-    if not data:
-        return [("skip", "file", "empty_file")]
-    if b"\0" in data[:SNIFF]:
-        return [("skip", "file", "binary_file")]
+    if (skip := file_skip(data)) is not None:
+        return skip
     try:
         return [("doc", data.decode())]
     except UnicodeDecodeError as e:

@@ -112,7 +112,8 @@ def test_uneven_shards_never_hang_distributed_training(tmp_path):
 def test_tokenizer_used_before_worker_processes_start_never_deadlocks(tmp_path, bpe_tokenizer,
                                                                       real_texts):
     """A Hugging Face tokenizer busy on its thread pool in the parent, then prepare's and the
-    Loader's worker pools: forked children could inherit its locks held; spawned ones cannot."""
+    Loader's worker pools: forked children could inherit its locks held; every worker is a fresh
+    ``python -m tokenmill.child`` (no fork without exec, no multiprocessing child), so none can."""
     (tmp_path / "t.txt").write_text(real_texts[0])
     (tmp_path / "in").mkdir()
     write_jsonl(tmp_path / "in" / "c.jsonl", real_texts[:60])
@@ -120,14 +121,20 @@ def test_tokenizer_used_before_worker_processes_start_never_deadlocks(tmp_path, 
             "inputs": [str(tmp_path / "in")], "out": str(tmp_path / "out")}
     env = child_env(tmp_path / "tmp", TOKENIZERS_PARALLELISM="true")
     t0 = time.monotonic()
-    done = subprocess.run(program("tokenize_then_spawn", json.dumps(args)), env=env,
+    done = subprocess.run(program("tokenize_then_start_workers", json.dumps(args)), env=env,
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.splitlines()[-1])
-    assert out == {"done": True, "child_kinds": ["spawn"]}
+    assert out["done"]
+    for stage in ("prepare", "loader"):
+        children = out[stage]
+        assert len(children) == 2, (stage, children)  # its two workers, and nothing else
+        for cmd in children:
+            # exec'd: a fork of this program would show the program's own command line
+            assert cmd != out["parent"] and cmd[1:3] == ["-m", "tokenmill.child"], (stage, cmd)
     assert "fork" not in done.stderr.lower(), done.stderr  # tokenizers warns after a fork
-    record("tokenizer and fork", deadlocks=0, child_start_method="spawn",
-           seconds=round(time.monotonic() - t0, 1))
+    record("tokenizer and fork", deadlocks=0, children=4, forked=0,
+           child_start="exec python -m tokenmill.child", seconds=round(time.monotonic() - t0, 1))
 
 
 def test_ctrl_c_during_iteration_exits_within_2s_and_leaves_nothing_behind(tmp_path):

@@ -23,8 +23,8 @@ import pytest
 import zstandard
 
 from conftest import stdlib_texts, write_jsonl
-from faults.conftest import (SIZE, child_env, descendants, files_under, program, record,
-                             shm_in_use, stale_shm, survivors)
+from faults.conftest import (SIZE, assert_nothing_left, child_env, descendants, files_under,
+                             press_ctrl_c, program, record, shm_in_use, stale_shm, survivors)
 from tokenmill import sources
 from tokenmill.errors import StoreError
 from tokenmill.prepare import prepare
@@ -177,33 +177,22 @@ def test_ctrl_c_during_prepare_exits_within_2s_and_leaves_nothing_behind(tmp_pat
     for i in range(SIZE.interrupts):
         out, tmp = tmp_path / f"out{i}", tmp_path / f"tmp{i}"
         env = child_env(tmp)
-        proc = subprocess.Popen(cli_prepare(corpus, out, bpe_tokenizer), env=env,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 60  # past start-up: its workers are running
+
+        def ready(proc):  # past start-up: its workers are running
+            deadline = time.monotonic() + 60
             while not descendants(proc.pid) and proc.poll() is None:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
-            time.sleep(rng.uniform(0, 0.6))
-            kids = descendants(proc.pid)
-            shm = shm_in_use([psutil.Process(proc.pid), *kids])
-            t0 = time.monotonic()
-            # a terminal's Ctrl-C: SIGINT to the whole foreground process group
-            os.killpg(proc.pid, signal.SIGINT)
-            code = proc.wait(timeout=10)
-            exits.append(time.monotonic() - t0)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        err = proc.stderr.read()
-        assert exits[-1] < 2.0, f"took {exits[-1]:.2f} s to exit after Ctrl-C"
-        if code == -signal.SIGINT and not err:  # it had finished: Ctrl-C while Python exited
+        hit = press_ctrl_c(cli_prepare(corpus, out, bpe_tokenizer), env, ready=ready,
+                           delay=rng.uniform(0, 0.6), stdout=subprocess.DEVNULL)
+        exits.append(hit.seconds)
+        assert hit.seconds < 2.0, f"took {hit.seconds:.2f} s to exit after Ctrl-C"
+        if hit.code == -signal.SIGINT and not hit.err:  # it had finished: Ctrl-C while exiting
             assert snapshot(out) == ref
-        elif code != 0:  # (or it had finished just before)
-            assert code == 130 and "interrupted" in err, err
-            assert "Traceback" not in err, err
-        assert not survivors(kids, timeout=1), f"orphans after Ctrl-C: {survivors(kids)}"
-        assert files_under(tmp) == [] and stale_shm(shm) == []
+        elif hit.code != 0:  # (or it had finished just before)
+            assert hit.code == 130 and "interrupted" in hit.err, hit.err
+            assert "Traceback" not in hit.err, hit.err
+        assert_nothing_left(hit.kids, hit.shm, tmp, what="after Ctrl-C: ")
         assert not [f for f in files_under(out) if ".tmp" in f], files_under(out)
         assert not looks_complete(out) or snapshot(out) == ref
         if i % 2:  # the interrupted store finishes on a rerun

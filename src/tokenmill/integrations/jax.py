@@ -15,21 +15,27 @@ holds a reference to each host array until its transfer is done, and the Loader 
 only when nothing references it, so no buffer is overwritten early.
 
 Checkpoint ``batches.state_dict()``, not the loader's: the loader is ``depth`` batches ahead.
+
+Packed batches (``layout="packed"``) carry ``segment_ids`` and ``positions`` (int32) as global
+arrays like the rest; on the devices, ``document_mask(batch)`` is the (B, 1, L, L) bool ``mask``
+of ``jax.nn.dot_product_attention`` and ``sequence_ids(batch)`` the segment ids splash attention
+takes (``SegmentIds(q=ids, kv=ids)``), both jittable.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from tokenmill.errors import ConfigError
+from tokenmill.device import AheadOfLoader
 from tokenmill.loader import Loader
 
-__all__ = ["JaxBatches", "to_jax"]
+__all__ = ["JaxBatches", "document_mask", "sequence_ids", "to_jax"]
 
 
 def to_jax(loader: Loader, sharding: jax.sharding.Sharding, *, depth: int = 2) -> JaxBatches:
@@ -53,7 +59,7 @@ def _process_rows(sharding: jax.sharding.Sharding, shape: tuple[int, int]) -> tu
     return lo, hi
 
 
-class JaxBatches:
+class JaxBatches(AheadOfLoader):
     """Iterable of a Loader's batches as dicts of global ``jax.Array``s; made by ``to_jax``.
 
     ``state_dict()`` counts only the batches handed out, so ``load_state_dict`` of it resumes
@@ -61,9 +67,8 @@ class JaxBatches:
     """
 
     def __init__(self, loader: Loader, sharding: jax.sharding.Sharding, *, depth: int = 2):
-        if not isinstance(depth, int) or depth < 1:
-            raise ConfigError(f"depth must be an int >= 1 (got depth={depth!r})")
-        self.loader, self.sharding, self.depth = loader, sharding, depth
+        super().__init__(loader, depth)
+        self.sharding = sharding
         B = loader.batch_size
         self.global_shape = (loader.global_batch_size, loader.config.seq_len)
         lo, hi = _process_rows(sharding, self.global_shape)
@@ -75,17 +80,9 @@ class JaxBatches:
                 f"[{loader.rank * B}, {(loader.rank + 1) * B}); build it with "
                 "Loader(..., rank=jax.process_index(), world_size=jax.process_count()) for a "
                 "mesh whose batch axis spans all processes")
-        self._consumed = loader.consumed_samples
-        self._iterating: object | None = None
-
-    def __len__(self) -> int:
-        """Steps per epoch, as the loader's."""
-        return len(self.loader)
 
     def __iter__(self) -> Iterator[dict[str, jax.Array]]:
-        self.loader.load_state_dict(self.state_dict())  # drop what a previous pass took ahead
-        self._iterating = token = object()
-        return self._batches(token)
+        return self._batches(self._begin())
 
     def _batches(self, token) -> Iterator[dict[str, jax.Array]]:
         ahead: deque[tuple[dict[str, jax.Array], int]] = deque()
@@ -97,9 +94,8 @@ class JaxBatches:
             if not ahead:
                 return
             arrays, consumed = ahead.popleft()
-            if self._iterating is not token:
+            if not self._hand_out(token, consumed):
                 return
-            self._consumed = consumed
             yield arrays
 
     def _put(self, arrays: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -107,23 +103,25 @@ class JaxBatches:
         return {k: jax.make_array_from_process_local_data(self.sharding, a, self.global_shape)
                 for k, a in arrays.items()}
 
-    def state_dict(self) -> dict[str, Any]:
-        """The loader's state as of the last batch handed out (in-flight ones excluded)."""
-        return {**self.loader.state_dict(), "consumed_samples": int(self._consumed)}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state`` (checked by the loader); an iterator from before stops."""
-        self.loader.load_state_dict(state)
-        self._consumed = self.loader.consumed_samples
-        self._iterating = None
+def sequence_ids(batch) -> jax.Array:
+    """(B, L) int32 document of each token, 1-based in its row; padding joins the one before.
 
-    def close(self) -> None:
-        """Close the loader; safe to call twice."""
-        self._iterating = None
-        self.loader.close()
+    The rule of ``tokenmill.attention.sequence_ids``, in jnp so it runs on the devices (jittable).
+    sequence_ids({"segment_ids": jnp.array([[1, 1, 2, 0]])}).tolist() == [[1, 1, 2, 2]]
+    """
+    seg = jnp.asarray(batch["segment_ids"] if isinstance(batch, Mapping) else batch)
+    new = (seg[:, 1:] != seg[:, :-1]) & (seg[:, 1:] != 0)
+    starts = jnp.concatenate([jnp.ones_like(seg[:, :1], dtype=bool), new], axis=1)
+    return jnp.cumsum(starts, axis=1, dtype=jnp.int32)
 
-    def __enter__(self) -> JaxBatches:
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+def document_mask(batch) -> jax.Array:
+    """(B, 1, L, L) bool ``mask`` for ``jax.nn.dot_product_attention``: causal, within a document.
+
+    jax.nn.dot_product_attention(q, k, v, mask=document_mask(batch))   # q: (B, L, heads, dim)
+    """
+    seq = sequence_ids(batch)
+    L = seq.shape[1]
+    causal = jnp.tril(jnp.ones((L, L), dtype=bool))
+    return ((seq[:, :, None] == seq[:, None, :]) & causal)[:, None]

@@ -21,6 +21,14 @@ loader's own for any N. Its ``state_dict``/``load_state_dict`` let
 
 Rank and world size come from ``torch.distributed`` when it is initialised (the Loader reads them
 when it is built: build it after ``init_process_group``).
+
+Packed batches (``layout="packed"``) in each attention kernel's form, built by the numpy rules of
+``tokenmill.attention`` (padding joins the document before it in its row; its loss_mask is 0):
+``document_mask(batch)`` → a FlexAttention causal document ``BlockMask``;
+``dense_document_mask(batch)`` → (B, 1, L, L) bool for ``scaled_dot_product_attention``;
+``varlen_args(batch, pad_to=)`` → FlashAttention varlen ``cu_seqlens`` (int32) and ``max_seqlen``;
+``flat_position_ids(batch)`` → Hugging Face flattening ``position_ids``. Each reads
+``batch["segment_ids"]`` on the host (free on CPU; one small copy from a GPU).
 """
 
 from __future__ import annotations
@@ -36,12 +44,15 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from tokenmill import attention
 from tokenmill.errors import ConfigError
+from tokenmill.device import AheadOfLoader
 from tokenmill.loader import STATE_VERSION, Loader
 from tokenmill.plan import consumed_of
 from tokenmill.store.reader import TokenStore
 
-__all__ = ["TokenDataset", "TorchBatches", "to_torch"]
+__all__ = ["TokenDataset", "TorchBatches", "dense_document_mask", "document_mask",
+           "flat_position_ids", "to_torch", "varlen_args"]
 
 
 def to_torch(loader: Loader, device: str | torch.device = "cpu", *, depth: int = 2) -> TorchBatches:
@@ -123,7 +134,7 @@ class _Slot:
         self.event = None
 
 
-class TorchBatches:
+class TorchBatches(AheadOfLoader):
     """Iterable of a Loader's batches as dicts of tensors on one device; made by ``to_torch``.
 
     ``state_dict()`` counts only the batches handed out, not those still in flight, so
@@ -131,21 +142,13 @@ class TorchBatches:
     """
 
     def __init__(self, loader: Loader, device: torch.device, *, ops: _Device | None, depth: int = 2):
-        if not isinstance(depth, int) or depth < 1:
-            raise ConfigError(f"depth must be an int >= 1 (got depth={depth!r})")
-        self.loader, self.device, self.depth = loader, torch.device(device), depth
+        super().__init__(loader, depth)
+        self.device = torch.device(device)
         self._ops = ops
         self._slots: list[_Slot] = []  # depth + 1: the oldest is refilled while depth are in flight
-        self._consumed = loader.consumed_samples
-        self._iterating: object | None = None
-
-    def __len__(self) -> int:
-        """Steps per epoch, as the loader's."""
-        return len(self.loader)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        self.loader.load_state_dict(self.state_dict())  # drop what a previous pass took ahead
-        self._iterating = token = object()
+        token = self._begin()
         if self._ops is None:
             return self._direct(token)
         return self._pipelined(token)
@@ -161,9 +164,8 @@ class TorchBatches:
             tensors = {k: torch.from_numpy(a) for k, a in arrays.items()}  # shares the memory
             if not cpu:  # another accelerator (mps, xpu, …): a plain, blocking copy
                 tensors = {k: t.to(self.device) for k, t in tensors.items()}
-            if self._iterating is not token:
+            if not self._hand_out(token, consumed):
                 return
-            self._consumed = consumed
             yield tensors
 
     def _pipelined(self, token) -> Iterator[dict[str, torch.Tensor]]:
@@ -181,9 +183,8 @@ class TorchBatches:
             ops.wait(event)
             for t in tensors.values():
                 ops.keep(t)
-            if self._iterating is not token:
+            if not self._hand_out(token, consumed):
                 return
-            self._consumed = consumed
             yield tensors
 
     def _send(self, ops: _Device, arrays: Mapping[str, np.ndarray], n: int):
@@ -200,27 +201,10 @@ class TorchBatches:
         slot.event = ops.record()
         return tensors, slot.event
 
-    def state_dict(self) -> dict[str, Any]:
-        """The loader's state as of the last batch handed out (in-flight ones excluded)."""
-        return {**self.loader.state_dict(), "consumed_samples": int(self._consumed)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state`` (checked by the loader); an iterator from before stops."""
-        self.loader.load_state_dict(state)
-        self._consumed = self.loader.consumed_samples
-        self._iterating = None
-
     def close(self) -> None:
         """Close the loader and drop the pinned buffers; safe to call twice."""
-        self._iterating = None
+        super().close()
         self._slots = []
-        self.loader.close()
-
-    def __enter__(self) -> TorchBatches:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _loader_spec(loader: Loader) -> dict[str, Any]:
@@ -233,7 +217,8 @@ def _loader_spec(loader: Loader) -> dict[str, Any]:
         raise ConfigError(f"a TokenDataset mixture needs distinct store paths (got {names})")
     return {"stores": stores, "weights": tuple(loader.weights), "seq_len": loader.config.seq_len,
             "batch_size": loader.batch_size, "layout": loader.config.layout,
-            "seed": loader.config.seed, "rank": loader.rank, "world_size": loader.world_size,
+            "seed": loader.config.seed, "max_segments": loader.config.max_segments,
+            "rank": loader.rank, "world_size": loader.world_size,
             "epochs": loader.epochs, "dtype": loader.plan.dtype.name, "cache_dir": loader.cache_dir}
 
 
@@ -338,3 +323,61 @@ class TokenDataset(IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_loader": None, "_pid": None}
+
+
+# ---- packed batches → attention kernels ---------------------------------------------------------
+
+def _segment_ids(batch) -> tuple[np.ndarray, torch.device]:
+    """The batch's segment_ids as a host numpy array, and the device they came from."""
+    seg = batch["segment_ids"] if isinstance(batch, Mapping) else batch
+    if isinstance(seg, torch.Tensor):
+        return seg.cpu().numpy(), seg.device
+    return np.asarray(seg), torch.device("cpu")
+
+
+def dense_document_mask(batch) -> torch.Tensor:
+    """(B, 1, L, L) bool causal document mask for ``scaled_dot_product_attention(attn_mask=)``.
+
+    dense_document_mask({"segment_ids": torch.tensor([[1, 2]])})[0, 0].tolist() == [[True, False], [False, True]]
+    """
+    seg, device = _segment_ids(batch)
+    return torch.from_numpy(attention.document_mask(seg))[:, None].to(device)
+
+
+def document_mask(batch, *, block_size: int = 128):
+    """A FlexAttention ``BlockMask``: token q attends to k ⇔ k <= q in the same document.
+
+    flex_attention(q, k, v, block_mask=document_mask(batch))   # q: (B, heads, L, dim)
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+    seg, device = _segment_ids(batch)
+    seq = torch.from_numpy(attention.sequence_ids(seg)).to(device)
+    B, L = seq.shape
+
+    def causal_document(b, h, q, k):
+        return (seq[b, q] == seq[b, k]) & (k <= q)
+
+    return create_block_mask(causal_document, B, None, L, L, device=str(device),
+                             BLOCK_SIZE=block_size)
+
+
+def varlen_args(batch, *, pad_to: int | None = None) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens int32 on the batch's device, max_seqlen) for FlashAttention varlen over the
+    batch flattened to (B·L, heads, dim); ``pad_to`` slots keep the shape static (see
+    ``tokenmill.attention.varlen_slots``).
+
+    varlen_args({"segment_ids": torch.tensor([[1, 1, 2, 0]])})[0].tolist() == [0, 2, 4]
+    """
+    seg, device = _segment_ids(batch)
+    cu, max_seqlen = attention.varlen_args(seg, pad_to=pad_to)
+    return torch.from_numpy(cu).to(device), max_seqlen
+
+
+def flat_position_ids(batch) -> torch.Tensor:
+    """(B, L) int64 position_ids restarting at each document (HF ``DataCollatorWithFlattening``);
+    pass ``.reshape(1, -1)`` with the inputs reshaped the same way.
+
+    flat_position_ids({"segment_ids": torch.tensor([[1, 1, 2, 0]])}).tolist() == [[0, 1, 0, 1]]
+    """
+    seg, device = _segment_ids(batch)
+    return torch.from_numpy(attention.flat_position_ids(seg)).to(device)

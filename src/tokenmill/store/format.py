@@ -111,11 +111,9 @@ def read_idx_header(path: str | os.PathLike, *, check: StatCheck | None = None
     """(token dtype, document count) from an ``.idx`` file's header, checked against its size;
     the file is closed again (no map, no descriptor kept). ``check``: as for ``read_idx``."""
     path = Path(path)
-    size = size_or_raise(path)
+    size_or_raise(path)  # a missing file: a StoreError saying the store is incomplete
     with open(path, "rb") as f:
-        if check is not None:
-            check(os.fstat(f.fileno()))
-        n, _, code = _check_idx_header(path, f.read(IDX_HEADER.size), size)
+        n, _, code = _read_idx_header(path, f, check)
     return np.dtype(DTYPE_CODES[code]), n
 
 
@@ -125,11 +123,9 @@ def read_idx(path: str | os.PathLike, *, in_memory: bool = False,
     ``in_memory`` read it into memory and keep nothing open; checks magic, version, dtype, size.
     ``check`` is called with the ``fstat`` of every descriptor opened on it (raise to refuse)."""
     path = Path(path)
-    size = size_or_raise(path)
+    size_or_raise(path)
     with open(path, "rb") as f:
-        if check is not None:
-            check(os.fstat(f.fileno()))
-        n, m, code = _check_idx_header(path, f.read(IDX_HEADER.size), size)
+        n, m, code = _read_idx_header(path, f, check)
         if in_memory:
             raw = np.frombuffer(bytes(IDX_HEADER.size) + f.read(), np.uint8)
     if not in_memory:
@@ -138,6 +134,15 @@ def read_idx(path: str | os.PathLike, *, in_memory: bool = False,
     return IdxArrays(np.dtype(DTYPE_CODES[code]), raw[off:off + 4 * n].view("<i4"),
                      raw[off + 4 * n:off + 12 * n].view("<i8"),
                      raw[off + 12 * n:off + 12 * n + 8 * m].view("<i8"))
+
+
+def _read_idx_header(path: Path, f, check: StatCheck | None) -> tuple[int, int, int]:
+    """(N, M, dtype code) of the open ``.idx`` file ``f``, checked against its size (the file's
+    own, by ``fstat``, which ``check`` sees first)."""
+    st = os.fstat(f.fileno())
+    if check is not None:
+        check(st)
+    return _check_idx_header(path, f.read(IDX_HEADER.size), st.st_size)
 
 
 def _check_idx_header(path: Path, head: bytes, size: int) -> tuple[int, int, int]:
@@ -170,10 +175,12 @@ def store_fingerprint(manifest: dict) -> str:
 
 
 def build_manifest(*, tokenizer: dict, dtype: np.dtype, shards: list, settings: dict,
-                   skipped: dict) -> dict:
+                   skipped: dict, extra: Mapping | None = None) -> dict:
     """The manifest dict for a finished store (``shards``: ShardInfo, each with ``to_json()``).
 
     URLs in ``settings`` (inputs, the output) are stored with their credentials redacted.
+    ``extra``: informative fields (e.g. ``tokenizer_engine``), covered by the manifest checksum
+    but neither by the fingerprint nor by the settings a rerun is compared on.
     """
     manifest = {
         "format": FORMAT, "version": VERSION, "tokenizer": tokenizer,
@@ -183,6 +190,7 @@ def build_manifest(*, tokenizer: dict, dtype: np.dtype, shards: list, settings: 
         "shards": [s.to_json() for s in shards],
         "settings": redact_urls(settings), "skipped": skipped,
     }
+    manifest.update(redact_urls(dict(extra or {})))
     manifest["fingerprint"] = store_fingerprint(manifest)
     manifest[MANIFEST_CHECKSUM] = manifest_checksum(manifest)
     return manifest

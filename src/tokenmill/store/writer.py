@@ -47,7 +47,7 @@ from tokenmill.io import (atomic_write_json, json_bytes, list_sizes, lock_file, 
                           unlock, xxh3_file)
 from tokenmill.store.format import MANIFEST, SHARD_FILE, build_manifest, parse_manifest, shard_name
 from tokenmill.store.shards import MAX_EXAMPLES, ShardInfo, ShardWriter, SkipLog
-from tokenmill.store.upload import RemoteOut
+from tokenmill.store.upload import RemoteOut, upload_errors
 
 __all__ = ["KEY_FILE", "LEASE", "LOCK", "Lease", "MAX_EXAMPLES", "PROGRESS", "ShardInfo", "ShardWriter", "SkipLog",
            "StoreWriter", "WriterConfig", "describe_change", "take_lock"]
@@ -144,7 +144,8 @@ class Lease:
                 f"{held.get('host')}) is writing this store right now (its lease runs until "
                 f"{until} unless renewed); wait for it to finish (if it died, rerun after that "
                 "time), or choose another --out", path=where, pid=held.get("pid"))
-        remote.fs.makedirs(remote.root, exist_ok=True)  # a no-op on object stores
+        with upload_errors(redact(self.url)):  # e.g. an HTTP server that takes no PUT
+            remote.fs.makedirs(remote.root, exist_ok=True)  # a no-op on object stores
         self.write()
         self.stop = threading.Event()
         threading.Thread(target=self.renew, daemon=True, name="tokenmill-lease").start()
@@ -171,22 +172,24 @@ class Lease:
 
     def write(self) -> None:
         """Put our lease, good for LEASE_S seconds."""
-        self.remote.fs.pipe_file(f"{self.remote.root}/{LEASE}",
-                                 json_bytes({**self.me, "expires": time.time() + LEASE_S}))
+        with upload_errors(redact(self.url)):
+            self.remote.fs.pipe_file(f"{self.remote.root}/{LEASE}",
+                                     json_bytes({**self.me, "expires": time.time() + LEASE_S}))
 
     def renew(self) -> None:
         """Keep the lease alive until released."""
         while not self.stop.wait(LEASE_S / 4):
             try:
                 self.write()
-            except OSError:  # a blip: the next renewal tries again
+            except StoreError:  # a blip: the next renewal tries again
                 pass
 
     def release(self) -> None:
         """Stop renewing and delete the lease if it is still ours."""
         self.stop.set()
         if (self.read() or {}).get("token") == self.me["token"]:
-            self.remote.fs.rm_file(f"{self.remote.root}/{LEASE}")
+            with upload_errors(redact(self.url)):
+                self.remote.fs.rm_file(f"{self.remote.root}/{LEASE}")
 
 
 class StoreWriter:
@@ -359,8 +362,8 @@ class StoreWriter:
             (self.out / n).unlink(missing_ok=True)
         if self.remote is not None and names:
             present = self._listing()
-            for n in names:
-                if n in present:
+            for n in [n for n in names if n in present]:
+                with upload_errors(redact(f"{self.remote.url}/{n}")):
                     self.remote.fs.rm_file(f"{self.remote.root}/{n}")
 
     def _remove_temps(self) -> None:
@@ -445,8 +448,9 @@ class StoreWriter:
         else:
             write()
 
-    def finish(self, tokenizer: dict, settings: dict) -> dict:
-        """Close the last shard, write the manifest (last, atomically) and release the output."""
+    def finish(self, tokenizer: dict, settings: dict, extra: dict | None = None) -> dict:
+        """Close the last shard, write the manifest (last, atomically) and release the output;
+        ``extra``: informative manifest fields (see ``format.build_manifest``)."""
         if self._writer is not None and (info := self._writer.finish()) is not None:
             self.commit(info, self.cursor)
         for _, _, s in self._pending_skips:
@@ -459,7 +463,7 @@ class StoreWriter:
                              f"file(s) (skipped: {self.skips.reasons()})")
         manifest = build_manifest(tokenizer=tokenizer, dtype=np.dtype(self.config.dtype),
                                   shards=self.shards, settings=settings,
-                                  skipped=self.skips.to_json())
+                                  skipped=self.skips.to_json(), extra=extra)
         if self.remote is not None:
             self.remote.write_manifest(json_bytes(manifest))
         else:

@@ -1,0 +1,301 @@
+"""Packed rows → attention kernels, proven: a small causal transformer gives every packed token the
+loss it gets when its document runs alone, with each mask form; without the mask it does not."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+from conftest import stdlib_texts, write_jsonl
+from tokenmill import attention, pack
+from tokenmill.errors import ConfigError
+
+# ---- the numpy forms ----------------------------------------------------------------------------
+
+ROWS = np.array([[1, 1, 1, 2, 2, 3, 0, 0],
+                 [1, 1, 1, 1, 1, 1, 1, 1]], dtype=np.int32)
+
+
+def test_sequences_follow_segments_and_padding_joins_the_one_before():
+    assert attention.sequence_ids(ROWS).tolist() == [[1, 1, 1, 2, 2, 3, 3, 3], [1] * 8]
+    # a row that starts with padding (the packer never makes one) is one sequence of padding
+    assert attention.sequence_ids([[0, 0, 1, 1]]).tolist() == [[1, 1, 2, 2]]
+
+
+def test_cu_seqlens_cover_the_flattened_batch_and_pad_with_the_last_offset():
+    cu, max_seqlen = attention.varlen_args(ROWS)
+    assert cu.dtype == np.int32 and cu.tolist() == [0, 3, 5, 8, 16]
+    assert max_seqlen == 8
+    padded = attention.varlen_args(ROWS, pad_to=attention.varlen_slots(2, 3))
+    assert padded.cu_seqlens.tolist() == [0, 3, 5, 8, 16, 16, 16] and padded.max_seqlen == 8
+    with pytest.raises(ConfigError, match="4 sequences.*pad_to=4"):
+        attention.varlen_args(ROWS, pad_to=4)
+    with pytest.raises(ConfigError, match="max_segments"):
+        attention.varlen_slots(2, 0)
+
+
+def test_position_ids_restart_per_document_and_padding_keeps_counting():
+    pos = attention.flat_position_ids(ROWS)
+    assert pos.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2], list(range(8))]
+    # HF derives cu_seqlens from the zeros of the flattened position_ids: the same boundaries
+    flat = pos.ravel()
+    assert np.append(np.flatnonzero(flat == 0), flat.size).tolist() == \
+        attention.varlen_args(ROWS).cu_seqlens.tolist()
+
+
+def test_dense_mask_is_causal_within_documents_only():
+    mask = attention.document_mask(ROWS)
+    assert mask.shape == (2, 8, 8) and mask.dtype == bool
+    assert mask[0, 4].tolist() == [False, False, False, True, True, False, False, False]
+    assert mask[0, 7].tolist() == [False] * 5 + [True] * 3  # padding sees its document
+    assert not mask[0, :6, 6:].any()  # no real token sees padding
+    assert (mask[1] == np.tri(8, dtype=bool)).all()
+    assert mask.diagonal(axis1=1, axis2=2).all()  # no empty softmax row
+
+
+def test_segment_ids_must_be_a_batch():
+    with pytest.raises(ConfigError, match="2-d integer"):
+        attention.sequence_ids(np.zeros(4, dtype=np.int32))
+
+
+# ---- the proof: a small causal transformer, fp64 --------------------------------------------------
+
+VOCAB, DIM, HEADS, SEQ_LEN, MAX_SEGMENTS = 50, 16, 2, 24, 4
+
+
+def packed_case(seed=0, docs=40, max_segments=MAX_SEGMENTS):
+    """Random documents of 2 … seq_len + 1 tokens, packed; (tokens, lengths, layout, batch)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, SEQ_LEN + 2, size=docs)
+    tokens = rng.integers(1, VOCAB, size=int(lengths.sum())).astype(np.int64)
+    layout = pack.pack_documents(lengths, SEQ_LEN, max_segments)
+    B = layout.num_rows
+    out = {"inputs": np.empty((B, SEQ_LEN), np.int64), "targets": np.empty((B, SEQ_LEN), np.int64),
+           "segment_ids": np.empty((B, SEQ_LEN), np.int32),
+           "positions": np.empty((B, SEQ_LEN), np.int64), "loss_mask": np.empty((B, SEQ_LEN), np.uint8)}
+    pack.fill_packed_rows(layout, np.arange(B), tokens, out)
+    assert layout.num_truncated == 0 and layout.most_segments <= max_segments
+    assert (np.diff(layout.row_ptr) > 1).sum() >= 3  # rows that really share documents
+    return tokens, lengths, layout, out
+
+
+def where_documents_are(layout):
+    """(doc, row, offset, length) of every segment: where each document lies in the rows."""
+    for r in range(layout.num_rows):
+        off = 0
+        for s in range(layout.row_ptr[r], layout.row_ptr[r + 1]):
+            yield int(layout.seg_doc[s]), r, off, int(layout.seg_len[s])
+            off += int(layout.seg_len[s])
+
+
+def params(seed=1):
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: rng.normal(0, 0.5, size=shape)  # noqa: E731
+    p = {"tok": w(VOCAB, DIM), "pos": w(SEQ_LEN + 1, DIM), "out": w(DIM, VOCAB)}
+    for i in range(2):
+        p.update({f"qkv{i}": w(DIM, 3 * DIM), f"o{i}": w(DIM, DIM),
+                  f"up{i}": w(DIM, 2 * DIM), f"down{i}": w(2 * DIM, DIM)})
+    return p
+
+
+def torch_losses(p, inputs, targets, positions, attend):
+    """Per-token losses (B, L) of a 2-layer causal transformer; ``attend(q, k, v)`` on
+    (B, heads, L, dim) is the only place the mask form enters."""
+    import torch
+    t = {k: torch.from_numpy(v) for k, v in p.items()}
+    inputs, targets, positions = (torch.as_tensor(np.asarray(a, dtype=np.int64))
+                                  for a in (inputs, targets, positions))
+    B, L = inputs.shape
+    x = t["tok"][inputs] + t["pos"][positions]
+    for i in range(2):
+        q, k, v = (h.reshape(B, L, HEADS, -1).transpose(1, 2)
+                   for h in (x @ t[f"qkv{i}"]).chunk(3, dim=-1))
+        x = x + attend(q, k, v).transpose(1, 2).reshape(B, L, DIM) @ t[f"o{i}"]
+        x = x + torch.tanh(x @ t[f"up{i}"]) @ t[f"down{i}"]
+    logits = x @ t["out"]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1),
+                                             reduction="none").reshape(B, L).numpy()
+
+
+def causal(q, k, v):
+    import torch
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def sliced(cu_seqlens):
+    """Attention by FlashAttention varlen's contract: the batch flattened to B·L tokens, causal
+    attention within each [cu[i], cu[i+1]) (empty slots of a padded cu_seqlens do nothing)."""
+    import torch
+    cu = np.asarray(cu_seqlens).tolist()
+
+    def attend(q, k, v):
+        B, H, L, D = q.shape
+        flat = [a.transpose(0, 1).reshape(H, B * L, D) for a in (q, k, v)]
+        out = torch.zeros_like(flat[0])
+        for s, e in zip(cu[:-1], cu[1:]):
+            if e > s:
+                out[:, s:e] = causal(*(a[None, :, s:e] for a in flat))[0]
+        return out.reshape(H, B, L, D).transpose(0, 1)
+    return attend
+
+
+def alone(p, tokens, lengths, loss_fn=torch_losses, attend=causal):
+    """Per-token losses of every document run by itself, unpacked (batch of one)."""
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    out = []
+    for s, n in zip(starts.tolist(), lengths.tolist()):
+        doc = tokens[s:s + n]
+        out.append(loss_fn(p, doc[None, :-1], doc[None, 1:], np.arange(n - 1)[None],
+                           attend)[0])
+    return out
+
+
+def compare(packed, unpacked, layout, loss_mask):
+    """Largest |packed − alone| over every document token; checks the loss mask covers exactly them."""
+    worst, covered = 0.0, 0
+    for doc, r, off, n in where_documents_are(layout):
+        assert loss_mask[r, off:off + n - 1].all()
+        worst = max(worst, float(np.abs(packed[r, off:off + n - 1] - unpacked[doc]).max()))
+        covered += n - 1
+    assert covered == int(loss_mask.sum())
+    return worst
+
+
+def mask_forms(batch):
+    """Each kernel form of the batch's mask, as (name, positions, attend)."""
+    import torch
+    from tokenmill.torch import dense_document_mask, document_mask, flat_position_ids, varlen_args
+    seg = torch.from_numpy(batch["segment_ids"])
+    B = seg.shape[0]
+    dense = dense_document_mask(batch)
+    cu, max_seqlen = varlen_args({"segment_ids": seg},
+                                 pad_to=attention.varlen_slots(B, MAX_SEGMENTS))
+    assert cu.dtype == torch.int32 and len(cu) == B * MAX_SEGMENTS + 1
+    assert max_seqlen <= SEQ_LEN
+    pos_ids = flat_position_ids({"segment_ids": seg}).numpy()
+    hf_cu = np.append(np.flatnonzero(pos_ids.ravel() == 0), pos_ids.size)  # as HF derives them
+    yield "dense", batch["positions"], lambda q, k, v: \
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    yield "cu_seqlens", batch["positions"], sliced(cu)
+    yield "position_ids", pos_ids, sliced(hf_cu)
+    from torch.nn.attention.flex_attention import flex_attention
+    block_mask = document_mask(batch, block_size=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile": fine on CPU
+        yield "flex", batch["positions"], lambda q, k, v: flex_attention(q, k, v,
+                                                                          block_mask=block_mask)
+
+
+def test_every_torch_mask_form_gives_each_document_its_own_losses():
+    pytest.importorskip("torch")
+    tokens, lengths, layout, batch = packed_case()
+    p = params()
+    unpacked = alone(p, tokens, lengths)
+    for name, positions, attend in mask_forms(batch):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            packed = torch_losses(p, batch["inputs"], batch["targets"], positions, attend)
+        assert compare(packed, unpacked, layout, batch["loss_mask"]) <= 1e-9, name
+    # the proof can fail: without the document mask, documents see each other
+    dropped = torch_losses(p, batch["inputs"], batch["targets"], batch["positions"], causal)
+    assert compare(dropped, unpacked, layout, batch["loss_mask"]) > 1e-2
+
+
+def jax_losses(p, inputs, targets, positions, mask):
+    """The same transformer in jnp; attention is ``jax.nn.dot_product_attention(mask=…)``
+    (mask None: plain causal)."""
+    import jax
+    import jax.numpy as jnp
+    t = {k: jnp.asarray(v, jnp.float64) for k, v in p.items()}  # under jax.enable_x64
+    B, L = inputs.shape
+    x = t["tok"][inputs] + t["pos"][positions]
+    for i in range(2):
+        q, k, v = (h.reshape(B, L, HEADS, -1) for h in jnp.split(x @ t[f"qkv{i}"], 3, axis=-1))
+        a = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None)
+        x = x + a.reshape(B, L, DIM) @ t[f"o{i}"]
+        x = x + jnp.tanh(x @ t[f"up{i}"]) @ t[f"down{i}"]
+    logp = jax.nn.log_softmax(x @ t["out"], axis=-1)
+    return -np.asarray(jnp.take_along_axis(logp, jnp.asarray(targets)[..., None], axis=-1)[..., 0])
+
+
+def test_the_jax_mask_gives_each_document_its_own_losses():
+    jax = pytest.importorskip("jax")
+    with jax.enable_x64(True):  # fp64, as the torch proof: the same 1e-9
+        check_jax_mask(jax)
+
+
+def check_jax_mask(jax):
+    import jax.numpy as jnp
+    from tokenmill.jax import document_mask, sequence_ids
+    tokens, lengths, layout, batch = packed_case(seed=2)
+    p = params(seed=3)
+    seg = jnp.asarray(batch["segment_ids"])
+    assert (np.asarray(sequence_ids({"segment_ids": seg})) ==
+            attention.sequence_ids(batch["segment_ids"])).all()  # one rule, on host and device
+    mask = document_mask({"segment_ids": seg})
+    assert mask.shape == (layout.num_rows, 1, SEQ_LEN, SEQ_LEN)
+    unpacked = alone(p, tokens, lengths, jax_losses, attend=None)  # None: is_causal=True
+    for name, m in (("mask", mask), ("jit", jax.jit(document_mask)(seg))):
+        packed = jax_losses(p, batch["inputs"], batch["targets"], batch["positions"], m)
+        assert packed.dtype == np.float64
+        assert compare(packed, unpacked, layout, batch["loss_mask"]) <= 1e-9, name
+    plain = jnp.tril(jnp.ones((SEQ_LEN, SEQ_LEN), bool))
+    dropped = jax_losses(p, batch["inputs"], batch["targets"], batch["positions"], plain)
+    assert compare(dropped, unpacked, layout, batch["loss_mask"]) > 1e-2
+
+
+# ---- the cap on documents per row, on a real store ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def paragraph_store(tmp_path_factory):
+    """A store of real text: paragraphs of the stdlib's sources, bytes tokenizer."""
+    from tokenmill import prepare
+    tmp = tmp_path_factory.mktemp("paragraphs")
+    texts = [para for t in stdlib_texts(300_000) for para in t.split("\n\n") if para.strip()]
+    write_jsonl(tmp / "p.jsonl", texts)
+    prepare(str(tmp / "p.jsonl"), out=tmp / "store", tokenizer="bytes", workers=1, progress=False)
+    return tmp / "store"
+
+
+@pytest.mark.parametrize("cap", [1, 2, 8])
+def test_max_segments_caps_every_row_and_reports_its_padding(paragraph_store, tmp_path, cap):
+    from tokenmill import Loader
+    kw = dict(seq_len=512, batch_size=4, layout="packed", num_workers=0, cache_dir=tmp_path)
+    with Loader(paragraph_store, **kw) as free, Loader(paragraph_store, max_segments=cap, **kw) as capped:
+        layout = capped.plan.sources[0].packed
+        assert np.diff(layout.row_ptr).max() <= cap  # every row of the layout
+        for batch in capped.batch_at(0), capped.batch_at(capped.samples_per_epoch - 4):
+            assert batch["segment_ids"].max(axis=1).max() <= cap
+        stats, base = capped.layout_stats, free.layout_stats
+        assert stats["max_segments"] == cap and stats["most_segments"] <= cap
+        assert base["max_segments"] is None and base["most_segments"] > 8  # the cap binds
+        used = int(layout.seg_len.sum())
+        assert stats["padding_fraction"] == pytest.approx(1 - used / (layout.num_rows * 513))
+        assert stats["num_truncated"] == base["num_truncated"]  # the cap cuts no document
+        assert stats["padding_fraction"] > base["padding_fraction"]  # what the cap costs
+        if cap == 1:
+            assert layout.num_rows == len(layout.seg_len)  # one segment a row
+        assert capped.fingerprint != free.fingerprint  # the cap changes the stream
+        # the same tokens are packed, whatever the cap: every segment once
+        assert sorted(layout.seg_start.tolist()) == sorted(free.plan.sources[0].packed.seg_start.tolist())
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".npz")[-1].endswith(f"-seg{cap}.npz")
+
+
+def test_max_segments_is_checked():
+    with pytest.raises(ConfigError, match="max_segments"):
+        pack.pack_documents(np.array([3, 2]), 4, max_segments=0)
+    from tokenmill.plan import LayoutConfig
+    with pytest.raises(ConfigError, match="layout='packed'"):
+        LayoutConfig(seq_len=8, layout="concat", max_segments=2)
+
+
+def test_a_capped_layout_is_cached_and_read_back(tmp_path):
+    lengths = np.random.default_rng(0).integers(1, 10, size=500)
+    built = pack.load_or_build_packed(tmp_path, key="k", doc_lengths=lengths, seq_len=32,
+                                      max_segments=3)
+    again = pack.load_or_build_packed(tmp_path, key="k", doc_lengths=lengths, seq_len=32,
+                                      max_segments=3)
+    assert again.max_segments == 3 and (again.row_ptr == built.row_ptr).all()
+    assert again.most_segments == 3
+    free = pack.load_or_build_packed(tmp_path, key="k", doc_lengths=lengths, seq_len=32)
+    assert free.max_segments is None and free.most_segments > 3
