@@ -88,9 +88,9 @@ def where_documents_are(layout):
             off += int(layout.seg_len[s])
 
 
-def params(seed=1):
+def params(seed=1, scale=0.5):
     rng = np.random.default_rng(seed)
-    w = lambda *shape: rng.normal(0, 0.5, size=shape)  # noqa: E731
+    w = lambda *shape: rng.normal(0, scale, size=shape)  # noqa: E731
     p = {"tok": w(VOCAB, DIM), "pos": w(SEQ_LEN + 1, DIM), "out": w(DIM, VOCAB)}
     for i in range(2):
         p.update({f"qkv{i}": w(DIM, 3 * DIM), f"o{i}": w(DIM, DIM),
@@ -206,7 +206,7 @@ def jax_losses(p, inputs, targets, positions, mask):
     (mask None: plain causal)."""
     import jax
     import jax.numpy as jnp
-    t = {k: jnp.asarray(v, jnp.float64) for k, v in p.items()}  # under jax.enable_x64
+    t = {k: jnp.asarray(v, jnp.float32) for k, v in p.items()}
     B, L = inputs.shape
     x = t["tok"][inputs] + t["pos"][positions]
     for i in range(2):
@@ -219,16 +219,14 @@ def jax_losses(p, inputs, targets, positions, mask):
 
 
 def test_the_jax_mask_gives_each_document_its_own_losses():
+    # float32: jax.nn.dot_product_attention's XLA path computes its logits in float32 even for
+    # float64 inputs, so fp64 buys nothing; weights of scale 0.2 keep losses O(1) (max ≈ 6), and
+    # 1e-5 is ~10 float32 ulps of them, while dropping the mask moves losses by ~0.7
     jax = pytest.importorskip("jax")
-    with jax.enable_x64(True):  # fp64, as the torch proof: the same 1e-9
-        check_jax_mask(jax)
-
-
-def check_jax_mask(jax):
     import jax.numpy as jnp
     from tokenmill.jax import document_mask, sequence_ids
     tokens, lengths, layout, batch = packed_case(seed=2)
-    p = params(seed=3)
+    p = params(seed=3, scale=0.2)
     seg = jnp.asarray(batch["segment_ids"])
     assert (np.asarray(sequence_ids({"segment_ids": seg})) ==
             attention.sequence_ids(batch["segment_ids"])).all()  # one rule, on host and device
@@ -237,8 +235,7 @@ def check_jax_mask(jax):
     unpacked = alone(p, tokens, lengths, jax_losses, attend=None)  # None: is_causal=True
     for name, m in (("mask", mask), ("jit", jax.jit(document_mask)(seg))):
         packed = jax_losses(p, batch["inputs"], batch["targets"], batch["positions"], m)
-        assert packed.dtype == np.float64
-        assert compare(packed, unpacked, layout, batch["loss_mask"]) <= 1e-9, name
+        assert compare(packed, unpacked, layout, batch["loss_mask"]) <= 1e-5, name
     plain = jnp.tril(jnp.ones((SEQ_LEN, SEQ_LEN), bool))
     dropped = jax_losses(p, batch["inputs"], batch["targets"], batch["positions"], plain)
     assert compare(dropped, unpacked, layout, batch["loss_mask"]) > 1e-2
@@ -278,7 +275,8 @@ def test_max_segments_caps_every_row_and_reports_its_padding(paragraph_store, tm
         assert capped.fingerprint != free.fingerprint  # the cap changes the stream
         # the same tokens are packed, whatever the cap: every segment once
         assert sorted(layout.seg_start.tolist()) == sorted(free.plan.sources[0].packed.seg_start.tolist())
-    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".npz")[-1].endswith(f"-seg{cap}.npz")
+    names = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".npz")
+    assert [n.endswith(f"-seq512-seg{cap}.npz") for n in names] == [True, False]  # one cache each
 
 
 def test_max_segments_is_checked():

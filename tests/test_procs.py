@@ -87,6 +87,28 @@ def test_round_trip_in_order():
     assert not w.alive()
 
 
+def test_large_messages_both_ways_never_deadlock():
+    # both socket buffers full: the parent blocked sending the next task while the child is
+    # blocked sending its result — the child's read-ahead inbox must keep the parent's send moving
+    import threading
+    blob = b"x" * (8 << 20)
+    with Worker(echo_double, name="big") as w:
+        sent = threading.Event()
+
+        def send_all():
+            for _ in range(4):
+                w.send(blob)
+            sent.set()
+
+        t = threading.Thread(target=send_all, daemon=True)
+        t.start()
+        t.join(timeout=60)
+        if not sent.is_set():
+            w.stop(timeout=1)
+            pytest.fail("parent and child deadlocked on full socket buffers")
+        assert [len(w.recv()) for _ in range(4)] == [16 << 20] * 4
+
+
 def test_exception_is_reraised_with_the_workers_traceback():
     with Worker(raise_value_error, "bad value 42", name="boom") as w:
         w.send("go")
