@@ -1,12 +1,13 @@
-"""Packing quality and speed: tokenmill's best-fit decreasing vs Grain's best-fit and first-fit.
+"""Packing quality and speed: tokenmill's packer vs Grain's best-fit and first-fit.
 
 One real store (paragraphs of the Python standard library's sources and docs, bytes tokenizer,
 made by ``tokenmill prepare`` on first use), one row capacity (seq_len + 1 tokens). Every packer
 gets the same items: the segments tokenmill places (whole documents, and documents longer than a
-row cut into row-sized pieces, which Grain would otherwise truncate). Reported: padding % of the
-rows, and build seconds per 1M items (tokenmill: ``pack.pack_documents``, the whole layout;
-Grain: iterating ``BestFitPackIterDataset`` / ``FirstFitPackIterDataset`` over an in-memory
-``MapDataset`` of numpy arrays, to the end).
+row cut into row-sized pieces, which Grain would otherwise truncate), in document order.
+Reported: padding % of the rows, and build seconds per 1M documents of the store (tokenmill:
+``pack.pack_documents``, the whole layout, best of 3; Grain: iterating ``BestFitPackIterDataset``
+/ ``FirstFitPackIterDataset`` over an in-memory ``MapDataset`` of numpy arrays to the end), with
+no cap and with ``max_segments`` (Grain's ``max_sequences_per_bin``).
 
     .venv/bin/python benchmarks/packing.py                 # prints a markdown table
 """
@@ -49,8 +50,7 @@ def make_store(where: Path, docs: int) -> Path:
     where.mkdir(parents=True, exist_ok=True)
     src = where / f"stdlib-paragraphs-{docs}.jsonl"
     with open(src, "w", encoding="utf-8") as f:
-        for text in stdlib_paragraphs(docs):
-            f.write(json.dumps({"text": text}) + "\n")
+        f.writelines(json.dumps({"text": text}) + "\n" for text in stdlib_paragraphs(docs))
     prepare(str(src), out=store, tokenizer="bytes", workers="auto", progress=False)
     return store
 
@@ -95,33 +95,37 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--bins", type=int, nargs="+", default=[64, 1024],
                     help="Grain num_packing_bins settings to run")
-    ap.add_argument("--max-segments", type=int, default=None)
+    ap.add_argument("--max-segments", nargs="+", default=["none", "8"],
+                    help="caps on documents per row to run ('none': no cap)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import grain
     store_path = make_store(Path(args.data), args.docs)
     with TokenStore(store_path) as store:
         lengths = np.asarray(store.doc_lengths, dtype=np.int64)
-    ours = tokenmill_row(lengths, args.seq_len, args.max_segments)
-    layout = ours.pop("layout")
-    order = np.lexsort((layout.seg_start, layout.seg_doc))  # document order, as a stream gives
-    seg_lens = layout.seg_len[order]
-    results = {"tokenmill best-fit decreasing (whole store)": ours}
-    for bins in args.bins:
-        for kind in ("BestFitPackIterDataset", "FirstFitPackIterDataset"):
-            results[f"grain {kind} (num_packing_bins={bins})"] = grain_row(
-                kind, seg_lens, args.seq_len, bins, args.max_segments)
-    cap = "" if args.max_segments is None else f", max_segments={args.max_segments}"
+    results = {}
+    for cap in [None if c == "none" else int(c) for c in args.max_segments]:
+        ours = tokenmill_row(lengths, args.seq_len, cap)
+        layout = ours.pop("layout")
+        order = np.lexsort((layout.seg_start, layout.seg_doc))  # document order, as a stream
+        seg_lens = layout.seg_len[order]
+        name = "best-fit decreasing" if cap is None else "fair fill under the cap"
+        results[(f"tokenmill {name} (whole store)", cap)] = ours
+        for bins in args.bins:
+            for kind in ("BestFitPackIterDataset", "FirstFitPackIterDataset"):
+                results[(f"grain {kind} (num_packing_bins={bins})", cap)] = grain_row(
+                    kind, seg_lens, args.seq_len, bins, cap)
     print(f"store: {store_path} — {len(lengths):,} documents, {int(lengths.sum()):,} tokens, "
-          f"mean {lengths.mean():.0f} tokens/doc; {len(seg_lens):,} items; "
-          f"seq_len={args.seq_len}{cap}; grain {grain.__version__}\n")
-    print("| packer | rows | padding % | build s per 1M items |")
-    print("|---|---:|---:|---:|")
-    for name, r in results.items():
-        print(f"| {name} | {r['rows']:,} | {100 * r['padding']:.2f} | "
-              f"{r['seconds'] * 1e6 / r['items']:.2f} |")
+          f"mean {lengths.mean():.0f} tokens/doc, {len(seg_lens):,} items to place; "
+          f"seq_len={args.seq_len}; grain {grain.__version__}\n")
+    print("| packer | max_segments | rows | padding % | build s per 1M documents |")
+    print("|---|---:|---:|---:|---:|")
+    for (name, cap), r in results.items():
+        print(f"| {name} | {cap or '—'} | {r['rows']:,} | {100 * r['padding']:.3f} | "
+              f"{r['seconds'] * 1e6 / len(lengths):.2f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(json.dumps(
+            [{"packer": n, "max_segments": c, **r} for (n, c), r in results.items()], indent=1))
     return 0
 
 

@@ -1,11 +1,13 @@
-"""Benchmark `tokenmill prepare --workers 2` against raw fastokens, tokenizers and tiktoken.
+"""Benchmark `tokenmill prepare` (--workers auto and 2) against raw fastokens, tokenizers, tiktoken.
 
 python benchmarks/prepare.py [--corpus PATH] [--mb N] [--repeats K] [--json OUT]
 
 One run, same texts: each raw engine encodes the corpus's documents already in memory (no I/O;
 each in its own fresh process, so no run starts with caches another run warmed), then `tokenmill prepare`
 runs end to end in a fresh process (start-up, JSON reading, tokenizing, cross-process transfer,
-writing, checksums, manifest). Ratios are taken within the run. The store is then read back and
+writing, checksums, manifest), with --workers 2 and with the default --workers auto (in-process
+when the engine spreads itself over every core, as fastokens does; the targets are checked on
+that default). Ratios are taken within the run. The two stores must be byte-identical. The store is then read back and
 compared token for token with `tokenizers`' ids (EOS after each document).
 
 Targets (issue 13), 2 workers on 2 cores: prepare >= 0.8 x raw fastokens encode_batch,
@@ -166,12 +168,12 @@ def sample_rss(pid: int, stop: threading.Event, peaks: dict) -> None:
         peaks["tree"] = max(peaks["tree"], sum(rss))
 
 
-def time_prepare(corpus: Path, tokenizer: Path, out: Path, engine: str) -> dict:
-    """`tokenmill prepare --workers 2` end to end in a fresh process: seconds, tokens, peak RSS."""
+def time_prepare(corpus: Path, tokenizer: Path, out: Path, engine: str, workers: str) -> dict:
+    """`tokenmill prepare --workers W` end to end in a fresh process: seconds, tokens, peak RSS."""
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "tokenmill", "prepare", str(corpus), "--out", str(out),
            "--tokenizer", str(tokenizer), "--tokenizer-engine", engine,
-           "--workers", str(WORKERS), "--overwrite", "--quiet"]
+           "--workers", workers, "--overwrite", "--quiet"]
     peaks, stop = {"tree": 0, "hwm": {}}, threading.Event()
     with open(BENCH / "prepare-stderr.log", "wb") as err:
         t0 = time.perf_counter()
@@ -276,11 +278,14 @@ def raw_main(args) -> int:
 def measure(tok_path: Path, data: Path, repeats: int, engine: str) -> dict:
     """Every raw engine and prepare, interleaved `repeats` times; the runs by name."""
     names = list(raw_engines(tok_path))
-    runs: dict[str, list] = {name: [] for name in [*names, "prepare"]}
+    runs: dict[str, list] = {name: [] for name in [*names, "prepare", "prepare_workers"]}
     for _ in range(repeats):
         for name in names:
             runs[name].append(time_raw(name, tok_path, data))
-        runs["prepare"].append(time_prepare(data, tok_path, BENCH / "store-bpe32k", engine))
+        runs["prepare_workers"].append(time_prepare(data, tok_path, BENCH / "store-bpe32k-w",
+                                                    engine, str(WORKERS)))
+        runs["prepare"].append(time_prepare(data, tok_path, BENCH / "store-bpe32k", engine,
+                                            "auto"))
     return runs
 
 
@@ -320,13 +325,19 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = measure(tok_path, data, args.repeats, args.engine)
     labels = {name: label for name, (label, _) in raw_engines(tok_path).items()}
-    labels["prepare"] = f"tokenmill prepare --workers {WORKERS} (end to end)"
+    labels["prepare"] = "tokenmill prepare --workers auto (default; end to end)"
+    labels["prepare_workers"] = f"tokenmill prepare --workers {WORKERS} (end to end)"
     ref = runs["tokenizers"][0]
     same = {k: bool(np.array_equal(v[0]["ids"], ref["ids"])) for k, v in runs.items()
-            if k != "prepare"}
+            if not k.startswith("prepare")}
     equal = store_equals(BENCH / "store-bpe32k", ref["ids"], ref["lengths"], tok.eos_id)
+    shards = [p.name for p in sorted((BENCH / "store-bpe32k").glob("shard-*"))]
+    if any((BENCH / "store-bpe32k" / n).read_bytes() != (BENCH / "store-bpe32k-w" / n).read_bytes()
+           for n in shards):
+        equal = f"no: --workers auto and --workers {WORKERS} stores differ"
     results = {k: {"label": labels[k], **summary(v, text_bytes)} for k, v in runs.items()}
-    print(f"prepare command: {runs['prepare'][0]['command']}")
+    print(f"prepare commands: {runs['prepare'][0]['command']}\n  and "
+          f"{runs['prepare_workers'][0]['command']}")
     print_table(results)
     print(f"\nraw engines' ids equal to tokenizers': {same}")
     checks = verdict(results, equal)

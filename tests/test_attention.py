@@ -5,8 +5,8 @@ import warnings
 
 import numpy as np
 import pytest
-
 from conftest import stdlib_texts, write_jsonl
+
 from tokenmill import attention, pack
 from tokenmill.errors import ConfigError
 
@@ -90,7 +90,7 @@ def where_documents_are(layout):
 
 def params(seed=1, scale=0.5):
     rng = np.random.default_rng(seed)
-    w = lambda *shape: rng.normal(0, scale, size=shape)  # noqa: E731
+    w = lambda *shape: rng.normal(0, scale, size=shape)
     p = {"tok": w(VOCAB, DIM), "pos": w(SEQ_LEN + 1, DIM), "out": w(DIM, VOCAB)}
     for i in range(2):
         p.update({f"qkv{i}": w(DIM, 3 * DIM), f"o{i}": w(DIM, DIM),
@@ -164,7 +164,13 @@ def compare(packed, unpacked, layout, loss_mask):
 def mask_forms(batch):
     """Each kernel form of the batch's mask, as (name, positions, attend)."""
     import torch
-    from tokenmill.torch import dense_document_mask, document_mask, flat_position_ids, varlen_args
+
+    from tokenmill.torch import (
+        dense_document_mask,
+        document_mask,
+        flat_position_ids,
+        varlen_args,
+    )
     seg = torch.from_numpy(batch["segment_ids"])
     B = seg.shape[0]
     dense = dense_document_mask(batch)
@@ -224,6 +230,7 @@ def test_the_jax_mask_gives_each_document_its_own_losses():
     # 1e-5 is ~10 float32 ulps of them, while dropping the mask moves losses by ~0.7
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
+
     from tokenmill.jax import document_mask, sequence_ids
     tokens, lengths, layout, batch = packed_case(seed=2)
     p = params(seed=3, scale=0.2)
@@ -297,3 +304,56 @@ def test_a_capped_layout_is_cached_and_read_back(tmp_path):
     assert again.most_segments == 3
     free = pack.load_or_build_packed(tmp_path, key="k", doc_lengths=lengths, seq_len=32)
     assert free.max_segments is None and free.most_segments > 3
+
+
+def test_inspect_reports_the_packing_and_its_cap(paragraph_store, capsys):
+    import json
+
+    from tokenmill.cli import main
+    assert main(["inspect", str(paragraph_store), "--seq-len", "512", "--max-segments", "2"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    from tokenmill import TokenStore
+    with TokenStore(paragraph_store) as store:
+        layout = pack.pack_documents(store.doc_lengths, 512, max_segments=2)
+    assert line == (f"packed       seq_len 512, max_segments 2: {layout.num_rows:,} rows, padding "
+                    f"{100 * layout.padding_fraction:.2f}%, {layout.num_truncated:,} documents "
+                    "cut, at most 2 a row")
+    assert main(["inspect", str(paragraph_store), "--json", "--seq-len", "512"]) == 0
+    packing = json.loads(capsys.readouterr().out)["packing"]
+    assert packing["max_segments"] is None and packing["most_segments"] > 2
+    assert packing["padding_fraction"] < layout.padding_fraction
+
+
+def test_a_capped_loader_keeps_its_cap_in_a_token_dataset(paragraph_store, tmp_path):
+    pytest.importorskip("torch")
+    from tokenmill import Loader
+    from tokenmill.torch import TokenDataset
+    loader = Loader(paragraph_store, seq_len=512, batch_size=4, layout="packed", max_segments=2,
+                    num_workers=0, cache_dir=tmp_path)
+    with loader:
+        want = loader.batch_at(0)["segment_ids"].copy()
+        got = next(iter(TokenDataset(loader)))["segment_ids"].numpy()
+    assert (got == want).all() and got.max() <= 2
+
+
+def test_the_cap_closes_a_row_with_room_left():
+    free = pack.pack_documents(np.full(10, 2), seq_len=9)
+    capped = pack.pack_documents(np.full(10, 2), seq_len=9, max_segments=3)
+    assert free.row_ptr.tolist() == [0, 5, 10]  # 5 × 2 tokens fill a row of 10
+    assert capped.row_ptr.tolist() == [0, 3, 6, 9, 10]
+    assert capped.padding_fraction == pytest.approx(1 - 20 / 40)
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3, 8])
+def test_a_capped_layout_places_every_piece_once_within_its_row(cap):
+    rng = np.random.default_rng(cap)
+    lengths = np.concatenate([rng.integers(1, 12, size=300), rng.integers(30, 90, size=20)])
+    free, capped = pack.pack_documents(lengths, 31), pack.pack_documents(lengths, 31, cap)
+    assert sorted(zip(capped.seg_start.tolist(), capped.seg_len.tolist())) == \
+        sorted(zip(free.seg_start.tolist(), free.seg_len.tolist()))  # the same pieces, each once
+    per_row = np.diff(capped.row_ptr)
+    assert per_row.min() >= 1 and per_row.max() <= cap
+    tokens = np.add.reduceat(capped.seg_len, capped.row_ptr[:-1])
+    assert tokens.max() <= 32
+    # no fewer rows than tokens or slots force
+    assert capped.num_rows >= max(-(-int(lengths.sum()) // 32), -(-len(capped.seg_len) // cap))

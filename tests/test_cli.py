@@ -168,7 +168,7 @@ EXPORT = 'export("store", out={out!r}, format="nanogpt", progress=False)'
 
 # (command, the flag's value, the API call, the path the message must name)
 FAILURES = {
-    "prepare --out an existing file": ("prepare", "afile", PREPARE, "afile"),
+    "prepare --out an existing file": ("prepare", "afile", PREPARE, "afile: is a file, not a folder"),
     "prepare --out under a file": ("prepare", "afile/sub", PREPARE, "afile/sub"),
     "export --out under a file": ("export", "afile/x.bin", EXPORT, "afile/x.bin"),
 }
@@ -232,6 +232,20 @@ def test_a_stray_shard_named_file_in_out_is_left_alone_or_named(site):
         assert cli("verify", "st", cwd=site).returncode == 0
     else:
         assert "shard-notes.txt" in error_line(r, "prepare")
+
+
+@pytest.mark.parametrize("names, them", [(["shard-00007.bin"], "it"),
+                                         (["shard-00007.bin", "shard-00007.idx"], "them")])
+def test_stray_shard_files_are_refused_in_the_right_number(site, names, them):
+    out = site / "st"
+    out.mkdir()
+    for name in names:
+        (out / name).write_bytes(b"not ours")
+    line = error_line(cli(*cli_argv("prepare", "st"), cwd=site), "prepare")
+    assert f"st: holds {', '.join(names)}, which" in line
+    assert f"cannot tell that it wrote {them} and will not delete or overwrite {them}; " \
+           f"move {them} away" in line
+    assert all((out / n).read_bytes() == b"not ours" for n in names)
 
 
 def test_inspect_into_a_closed_pipe_is_silent(site):
@@ -306,11 +320,25 @@ def test_ordinary_failures_are_one_line_and_bugs_keep_their_traceback(capsys):
     assert ordinary_failure("export", PermissionError(13, "Permission denied", "ro/x")) == 1
     assert ordinary_failure("prepare", MemoryError()) == 1
     assert capsys.readouterr().err.splitlines() == [
-        "tokenmill prepare: interrupted",
+        "tokenmill prepare: interrupted; run the same command again to resume",
         "tokenmill inspect: error: s: not a store",
         "tokenmill export: error: ro/x: Permission denied",
         "tokenmill prepare: error: out of memory; give it more memory or fewer --workers"]
     assert ordinary_failure("prepare", ValueError("a bug")) is None  # main re-raises it
+    assert ordinary_failure("verify", KeyboardInterrupt()) == 130  # nothing to resume there
+    assert capsys.readouterr().err == "tokenmill verify: interrupted\n"
+
+
+def test_a_warning_is_one_line_naming_the_command(tmp_path):
+    # one document of 72 MiB of text (a jsonl line): warned about where it is read
+    with open(tmp_path / "big.jsonl", "w") as f:
+        f.write(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": "ab " * (24 << 20)}) + "\n")
+    r = cli("prepare", "big.jsonl", "--out", "store", "--workers", "1", "--quiet", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.splitlines() == [
+        f"tokenmill prepare: warning: big.jsonl: a single document of {3 * (24 << 20):,} "
+        f"characters, tokenized whole in memory (~{3 * (24 << 20) // 4:,} tokens of a typical "
+        "BPE); cut such documents into smaller ones (.txt: --txt-mode lines or paragraphs)"]
 
 
 def test_error_lines_carry_no_credentials_and_no_newlines(capsys):

@@ -232,13 +232,13 @@ def test_bad_states_and_settings_are_refused(store, tmp_path):
             to_torch(loader, device="cuda")
 
 
-@pytest.mark.parametrize("consumed", [True, 1.0, 2**63 - 1, -4, "8", None])
+@pytest.mark.parametrize("consumed", [True, 1.0, 2**63, -4, "8", None])
 def test_a_dataset_refuses_what_a_loader_refuses_in_a_state(store, consumed):
     loader = Loader(store, seq_len=L, batch_size=4, seed=2)
     ds = TokenDataset(loader)
-    with pytest.raises(ConfigError, match="consumed_samples must be an integer"):
+    with pytest.raises(ConfigError, match=r"consumed_samples must be an int in \[0, 2\*\*63\)"):
         ds.load_state_dict({**loader.state_dict(), "consumed_samples": consumed})
-    with pytest.raises(ConfigError, match="consumed_samples must be an integer"):
+    with pytest.raises(ConfigError, match=r"consumed_samples must be an int in \[0, 2\*\*63\)"):
         loader.load_state_dict({**loader.state_dict(), "consumed_samples": consumed})
     with pytest.raises(ConfigError, match="version"):
         ds.load_state_dict({**loader.state_dict(), "version": True})

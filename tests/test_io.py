@@ -9,6 +9,7 @@ import json
 import os
 import pty
 import select
+import socket
 import subprocess
 import sys
 import threading
@@ -44,6 +45,13 @@ TOKENMILL = Path(sys.executable).with_name("tokenmill")
     ("data/shard-00001.bin: expected 60 bytes", "data/shard-00001.bin: expected 60 bytes"),
     ("http://host/a.jsonl (no credentials)", "http://host/a.jsonl (no credentials)"),
     ("user@example.com wrote ratio=3", "user@example.com wrote ratio=3"),
+    # the value stops where the URL does: text after it in a message survives
+    ("cannot read (http://h/x.jsonl?token=abc): no file", "cannot read (http://h/x.jsonl?token=***): no file"),
+    ("http://h/x.jsonl?token=a:b: no file matched", "http://h/x.jsonl?token=***: no file matched"),
+    ("[http://h/x?key=k1] and <http://h/y?sig=s2>, then http://h/z?auth=a;x=1",
+     "[http://h/x?key=***] and <http://h/y?sig=***>, then http://h/z?auth=***;x=1"),
+    ("'http://h/x?token=t' \"http://h/y?token=u\" http://h/z?token=v#frag",
+     "'http://h/x?token=***' \"http://h/y?token=***\" http://h/z?token=***#frag"),
 ])
 def test_redact(text, want):
     assert redact(text) == want
@@ -278,3 +286,44 @@ def test_errors_about_a_url_with_credentials_never_show_them(data_server, tmp_pa
     with pytest.raises(StoreError):
         TokenStore(f"{data_server}/nostore", cache_dir=tmp_path / "c")
     assert json.dumps(tokenmill.verify_store(f"{data_server}/nostore")).count(SECRET) == 0
+
+
+def test_a_signed_url_with_a_query_is_one_file_named_by_its_path(data_server, tmp_path):
+    # the server ignores the query, as a signed-URL endpoint checks it and serves the path
+    url = f"{data_server}/c.jsonl?token=t0k3n-2&X-Amz-Expires=60"
+    code, shown = run_in_terminal([str(TOKENMILL), "prepare", url, "--out", "store",
+                                   "--workers", "1"], tmp_path)
+    assert code == 0, shown
+    assert "done: 300 documents" in shown and SECRET not in shown and "t0k3n-2" not in shown
+    manifest = (tmp_path / "store" / "manifest.json").read_text()
+    assert "t0k3n-2" not in manifest and SECRET not in manifest
+    assert "c.jsonl?token=***" in manifest
+
+
+def test_an_input_url_whose_host_cannot_be_reached_says_so(tmp_path):
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens on it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://ann:{SECRET}@127.0.0.1:{port}/c.jsonl?token=t0k3n-3"
+    code, shown = run_in_terminal([str(TOKENMILL), "prepare", url, "--out", "store",
+                                   "--workers", "1"], tmp_path)
+    assert code == 2 and "Traceback" not in shown
+    assert f"http://ann:***@127.0.0.1:{port}/c.jsonl?token=***: cannot reach its host" in shown
+    assert "no file matched" not in shown and SECRET not in shown and "t0k3n-3" not in shown
+
+
+def test_a_store_on_a_plain_http_server_whose_listing_has_no_sizes_reads_and_verifies(
+        data_server, tmp_path):
+    # http.server's index page lists names only: sizes come from a HEAD per file
+    www = tmp_path / "www"
+    tokenmill.prepare(www / "c.jsonl", out=www / "store", workers=1, progress=False)
+    fs, root = filesystem(f"{data_server}/store")
+    assert {i["size"] for i in fs.ls(root, detail=True)} == {None}  # the listing has no sizes
+    for args in (["verify", f"{data_server}/store"], ["inspect", f"{data_server}/store"]):
+        code, shown = run_in_terminal([str(TOKENMILL), *args], tmp_path)
+        assert code == 0 and "found 0" not in shown and SECRET not in shown, shown
+    code, shown = run_in_terminal([str(TOKENMILL), "verify", f"{data_server}/store"], tmp_path)
+    assert "OK (structure and every checksum verified)" in shown
+    with TokenStore(f"{data_server}/store", cache_dir=tmp_path / "cache") as remote, \
+            TokenStore(www / "store") as local:
+        assert remote.num_tokens == local.num_tokens > 0

@@ -506,11 +506,11 @@ def test_stores_of_different_tokenizers_are_not_mixed(tmp_path, real_texts, bpe_
 
 # ---- load_state_dict validates consumed_samples (12.17) ---------------------------------------
 
-@pytest.mark.parametrize("bad", [True, False, 1.0, 8.0, "8", -1, 2**63 - 1, 2**62 + 1, None, [8]])
+@pytest.mark.parametrize("bad", [True, False, 1.0, 8.0, "8", -1, 2**63, 2**64 + 1, None, [8]])
 def test_a_bad_consumed_samples_is_refused_at_load_showing_the_value(store, bad):
     import re
     with Loader(store, seq_len=L, batch_size=4, rank=0, world_size=1) as ld:
-        with pytest.raises(ConfigError, match=re.escape(f"got {bad!r}")):
+        with pytest.raises(ConfigError, match=re.escape(f"got {bad!r} of type {type(bad).__name__})")):
             ld.load_state_dict({**ld.state_dict(), "consumed_samples": bad})
         assert ld.consumed_samples == 0  # refused: nothing changed
 
@@ -522,9 +522,18 @@ def test_numpy_integer_states_load_and_the_last_position_still_loads(store):
             ld.load_state_dict({**ld.state_dict(), "consumed_samples": n})
             assert ld.state_dict()["consumed_samples"] == 8 and type(ld.consumed_samples) is int
             assert same(take(ld, 1), want)
-        ld.load_state_dict({**ld.state_dict(), "consumed_samples": plan_mod.MAX_CONSUMED})
-        for b in take(ld, 2):  # whole windows, no OverflowError at the end of the range
+        ld.load_state_dict({**ld.state_dict(), "consumed_samples": 2**62})
+        for b in take(ld, 2):  # whole windows, no OverflowError far along the range
             assert np.array_equal(b["targets"], b["inputs"] + 1)
+        stepped = ld.state_dict()  # what the loader saves after stepping loads again, and resumes
+        assert stepped["consumed_samples"] == 2**62 + 8
+        want = take(ld, 1)
+        ld.load_state_dict(stepped)
+        assert same(take(ld, 1), want)
+        ld.load_state_dict({**stepped, "consumed_samples": plan_mod.MAX_CONSUMED})  # 2**63 - 1
+        with pytest.raises(ConfigError, match=r"past 2\*\*63-1 .*end of its range"):
+            take(ld, 1)  # the end of int64: an error, never a state that would not load
+        assert ld.state_dict()["consumed_samples"] == plan_mod.MAX_CONSUMED
 
 
 # ---- worker processes from a plain script (12.15) ---------------------------------------------

@@ -21,6 +21,7 @@ from conftest import docs_of, store_bytes, write_jsonl
 from tokenmill.errors import ConcurrentWriterError, ConfigError, InputError, StoreError
 from tokenmill.prepare import prepare
 from tokenmill.store import TokenStore, verify_store
+from tokenmill.tokenizer import load_tokenizer
 
 EOS = 256
 
@@ -75,10 +76,25 @@ def test_byte_identical_for_any_worker_count(tmp_path, real_texts, bpe_tokenizer
 
 def test_fast_and_slow_tokenizer_engines_write_identical_stores(tmp_path, real_texts, bpe_tokenizer):
     write_jsonl(tmp_path / "c.jsonl", real_texts[:60])
-    for fast in (True, False):
-        prepare([str(tmp_path / "c.jsonl")], out=tmp_path / f"f{fast}", tokenizer=bpe_tokenizer,
-                workers=1, fast_tokenizer=fast, progress=False)
-    assert store_bytes(tmp_path / "fTrue") == store_bytes(tmp_path / "fFalse")
+    engines = {"auto": {"tokenizer_engine": "auto"}, "hf": {"tokenizer_engine": "hf"},
+               "old-spelling": {"fast_tokenizer": False}}  # the deprecated alias of "hf"
+    stores, manifests = {}, {}
+    for name, option in engines.items():
+        manifests[name] = prepare([str(tmp_path / "c.jsonl")], out=tmp_path / name,
+                                  tokenizer=bpe_tokenizer, workers=1, progress=False, **option)
+        stores[name] = store_bytes(tmp_path / name)
+        manifest = json.loads(stores[name].pop("manifest.json"))
+        assert manifest == manifests[name]
+        for informative in ("tokenizer_engine", "manifest_xxh3"):  # not what the store holds
+            manifest.pop(informative)
+        stores[name]["manifest"] = manifest
+    assert stores["auto"] == stores["hf"] == stores["old-spelling"]
+    auto = load_tokenizer(bpe_tokenizer)  # fastokens where installed
+    assert manifests["auto"]["tokenizer_engine"] == {"name": auto.engine,
+                                                     "notes": list(auto.engine_notes)}
+    assert manifests["hf"]["tokenizer_engine"]["name"] == "tokenizers"
+    assert manifests["old-spelling"]["tokenizer_engine"]["name"] == "tokenizers"
+    assert "tokenizer_engine" not in manifests["hf"]["settings"]
 
 
 def _prepare_cmd(inputs, out, tokenizer):

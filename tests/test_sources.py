@@ -846,3 +846,30 @@ def test_zstd_output_stays_small_however_compressible(tmp_path):
     finally:
         tracemalloc.stop()
     assert units == [Unit(p, 0, (256 << 20) + 13, 0)] and peak < 8 << 20
+
+
+@pytest.mark.parametrize("name, body, txt_mode", [
+    ("a.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in ["short", "x" * 150, "y" * 200]),
+     "file"),
+    ("b.txt", "short\n" + "x" * 150 + "\n" + "y" * 200 + "\n", "lines"),
+    ("c.txt", "short\n\n" + "x" * 150 + "\n\n" + "y" * 200 + "\n", "paragraphs"),
+])
+def test_a_document_over_the_limit_warns_once_per_file_where_it_is_read(tmp_path, monkeypatch,
+                                                                        name, body, txt_mode):
+    monkeypatch.setattr(sources, "LONG_DOCUMENT", 100)  # 64 MiB in real life
+    (tmp_path / name).write_text(body)
+    config = SourceConfig(txt_mode=txt_mode)
+    with pytest.warns(UserWarning) as caught:
+        docs = list(sources.read_unit(Unit(str(tmp_path / name), 0, -1), config))
+    assert docs == ["short", "x" * 150, "y" * 200]  # read unchanged
+    assert [str(w.message) for w in caught] == [
+        f"tokenmill: {tmp_path / name}: a single document of 150 characters, tokenized whole in "
+        "memory (~37 tokens of a typical BPE); cut such documents into smaller ones (.txt: "
+        "--txt-mode lines or paragraphs)"]
+
+
+def test_a_whole_txt_file_is_not_warned_about_again_when_read(tmp_path, monkeypatch, recwarn):
+    monkeypatch.setattr(sources, "LONG_DOCUMENT", 100)
+    (tmp_path / "w.txt").write_text("z" * 300)  # txt_mode="file": warned about when planned
+    assert list(sources.read_unit(Unit(str(tmp_path / "w.txt"), 0, -1), SourceConfig())) == ["z" * 300]
+    assert not [w for w in recwarn if "single document" in str(w.message)]

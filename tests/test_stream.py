@@ -473,6 +473,7 @@ def test_a_state_whose_resume_from_contradicts_itself_is_refused(corpus, tmp_pat
         # no check (a state of an earlier version), even with a wrong token: slower, not different
         "unchecked": lambda r: r.pop("check"),
         "unchecked-wrong": lambda r: (r.pop("check"), r.update(token=0)),
+        "unchecked-out-of-range": lambda r: (r.pop("check"), r.update(unit=10**6)),
         "untouched": lambda r: None,  # resumes exactly from its hint
     }
     runs, locks = {}, []
@@ -514,9 +515,13 @@ def test_a_state_whose_pass_samples_contradicts_the_store_is_refused(corpus, tmp
             with pytest.raises(ConfigError, match="pass_samples"):
                 ld.load_state_dict({**state, "pass_samples": n})
         for bad in ({"consumed_samples": True}, {"consumed_samples": 1.0},
-                    {"consumed_samples": 2 ** 63 - 1}, {"resume_from": {"unit": -1}}):
+                    {"consumed_samples": 2 ** 63},
+                    {"resume_from": {"unit": -1, "doc": 0, "token": 0, "check": "0" * 16}}):
             with pytest.raises(ConfigError, match="|".join(bad)):
                 ld.load_state_dict({**state, **bad})
+        ld.load_state_dict({**state, "consumed_samples": np.int64(state["consumed_samples"])})
+        for hint in ({"unit": 99, "doc": 0, "token": 0}, {"unit": -1}, "junk"):  # no check: ignored
+            ld.load_state_dict({**state, "resume_from": hint})
         ld.load_state_dict({**state, "consumed_samples": np.int64(state["consumed_samples"])})
         assert_batches(take(ld, 2), ref, first_step=ref.n // B + 2, store=ld.store_path)
 

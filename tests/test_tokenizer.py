@@ -5,6 +5,8 @@ import io
 import json
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -271,3 +273,21 @@ def test_unknown_and_broken_specs(tmp_path):
 def test_train_bpe_validates_vocab_size(tmp_path):
     with pytest.raises(ConfigError, match="vocab_size"):
         train_bpe(["abc"], 100, out_path=tmp_path / "t.json")
+
+
+@pytest.mark.parametrize("content, says", [
+    ('{"a": 1}', "(it holds an object with keys ['a'], no \"model\")"),
+    ("[1, 2]", "(it holds a JSON list, no \"model\")"),
+    ('{"a":', "not JSON (Expecting value"),
+])
+def test_a_json_that_is_not_a_tokenizer_is_named_as_such_on_the_command_line(tmp_path, content,
+                                                                             says):
+    (tmp_path / "x.json").write_text(content)
+    (tmp_path / "c.jsonl").write_text('{"text": "hello"}\n')
+    r = subprocess.run([str(Path(sys.executable).with_name("tokenmill")), "prepare", "c.jsonl",
+                        "--out", "o", "--tokenizer", "x.json", "--workers", "1"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("tokenmill prepare: error: x.json: not a Hugging Face tokenizer.json")
+    assert says in r.stderr and "expected `,`" not in r.stderr and "struct Tokenizer" not in r.stderr

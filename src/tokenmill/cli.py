@@ -5,7 +5,8 @@ An ordinary failure is one line on stderr and an exit code, never a traceback:
 
     tokenmill prepare: error: bad.jsonl:2: malformed JSON …   exit 2  (a TokenmillError; usage)
     tokenmill export: error: /ro/x.bin: Read-only file system  exit 1  (an OSError)
-    tokenmill prepare: interrupted                              exit 130 (Ctrl-C)
+    tokenmill prepare: interrupted; run the same command again to resume  exit 130 (Ctrl-C)
+    tokenmill prepare: warning: a.txt: 70,000,000 bytes of text …  (a warning: one line, goes on)
     (nothing)                                                   exit 141 (stdout closed: | head)
 
 Anything else is a bug in tokenmill and keeps its traceback.
@@ -16,8 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import contextlib
 import select
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from tokenmill.errors import ConfigError, TokenmillError, os_error_text, redact
@@ -40,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 done, 1 failed, 2 refused, 130, 141)."""
     args = build_parser().parse_args(argv)
     try:
-        code = args.run(args)
+        with one_line_warnings(args.command):
+            code = args.run(args)
         sys.stdout.flush()  # a reader that went away shows here, inside the try, not at exit
         return code
     except (Exception, KeyboardInterrupt) as e:
@@ -56,7 +61,8 @@ def ordinary_failure(command: str, error: BaseException) -> int | None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # quiet exit-time flush
         return CLOSED_STDOUT_EXIT
     if isinstance(error, KeyboardInterrupt):
-        return say(command, "interrupted", INTERRUPTED_EXIT)
+        resume = "; run the same command again to resume" if command == "prepare" else ""
+        return say(command, f"interrupted{resume}", INTERRUPTED_EXIT)
     if isinstance(error, TokenmillError):
         return say(command, f"error: {error}", USAGE_EXIT)
     if isinstance(error, OSError):
@@ -66,6 +72,19 @@ def ordinary_failure(command: str, error: BaseException) -> int | None:
         return say(command, f"error: out of memory{detail}; give it more memory or fewer "
                    "--workers", FAILED_EXIT)
     return None
+
+
+@contextlib.contextmanager
+def one_line_warnings(command: str) -> Iterator[None]:
+    """While a command runs, a warning prints as ``tokenmill <command>: warning: <message>``, not
+    as Python's two lines with a source path (then Python's own way is restored)."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message).removeprefix("tokenmill: ")
+        say(command, f"warning: {text}", 0)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 def say(command: str, message: str, code: int) -> int:
@@ -158,6 +177,10 @@ def add_inspect(sub) -> None:
     pi.add_argument("store")
     pi.add_argument("--json", action="store_true", help="print JSON instead of text")
     pi.add_argument("--plot", metavar="FILE.png", help="write a histogram of document lengths")
+    pi.add_argument("--seq-len", type=int, default=None, metavar="N",
+                    help="also pack the store into rows of N + 1 tokens and report the padding")
+    pi.add_argument("--max-segments", type=int, default=None, metavar="M",
+                    help="with --seq-len: at most M documents a row")
 
 
 def add_verify(sub) -> None:
@@ -238,9 +261,14 @@ def run_prepare(args) -> int:
 
 def run_inspect(args) -> int:
     """Describe a store (text or JSON), optionally plotting its document lengths."""
-    from tokenmill.inspection import describe, format_description, plot_lengths
+    from tokenmill.inspection import (describe, format_description, format_packing,
+                                      packing_quality, plot_lengths)
     info = describe(args.store)
-    print(json.dumps(info, indent=1) if args.json else format_description(info))
+    if args.seq_len is not None:
+        info["packing"] = packing_quality(args.store, args.seq_len, args.max_segments)
+    text = format_description(info) + ("\n" + format_packing(info["packing"])
+                                       if "packing" in info else "")
+    print(json.dumps(info, indent=1) if args.json else text)
     if args.plot:
         plot_lengths(args.store, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)

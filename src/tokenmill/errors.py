@@ -12,10 +12,11 @@ import re
 
 # scheme://user:password@ — the password is whatever sits between the first ':' and the '@'
 _USERINFO = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^\s/@:'\"]*):(?P<pw>[^\s/@'\"]*)@")
-# ?token=… &key=… &X-Amz-Signature=… &sig=…: query parameters that carry secrets
+# ?token=… &key=… &X-Amz-Signature=… &sig=…: query parameters that carry secrets; the value ends
+# where the URL does in a message: at whitespace, & # quotes ( ) , ; ] > or a ':' ending a phrase
 _SECRET_QUERY = re.compile(
     r"(?P<head>[?&;][\w.\-]*(?:token|key|secret|passw(?:or)?d|pwd|sig|signature|credential|auth)"
-    r"[\w.\-]*=)(?P<value>[^&#\s'\"]+)", re.IGNORECASE)
+    r"[\w.\-]*=)(?P<value>(?:[^&#\s'\"(),;\]>:]|:(?!\s|$))+)", re.IGNORECASE)
 
 
 def redact(text: str | os.PathLike) -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenmill import pack
 from tokenmill.errors import TokenmillError
 from tokenmill.io import atomic_write_bytes, is_url, redact
 from tokenmill.store import TokenStore
@@ -69,6 +70,25 @@ def describe(path: str | os.PathLike) -> dict:
             "fingerprint": m["fingerprint"],
             "sample": decoded_sample(store),
         }
+
+
+def packing_quality(path: str | os.PathLike, seq_len: int, max_segments: int | None = None
+                    ) -> dict:
+    """How the packed layout of rows of seq_len + 1 tokens fits this store: rows, padding
+    fraction, documents cut into pieces, the most documents in a row."""
+    with TokenStore(path) as store:
+        layout = pack.pack_documents(store.doc_lengths, seq_len, max_segments)
+    return {"seq_len": layout.seq_len, "max_segments": max_segments, "rows": layout.num_rows,
+            "padding_fraction": layout.padding_fraction, "num_truncated": layout.num_truncated,
+            "most_segments": layout.most_segments}
+
+
+def format_packing(q: dict) -> str:
+    """One line for ``packing_quality``'s dict."""
+    cap = "" if q["max_segments"] is None else f", max_segments {q['max_segments']}"
+    return (f"packed       seq_len {q['seq_len']}{cap}: {q['rows']:,} rows, padding "
+            f"{100 * q['padding_fraction']:.2f}%, {q['num_truncated']:,} documents cut, "
+            f"at most {q['most_segments']} a row")
 
 
 def format_description(info: dict) -> str:

@@ -104,19 +104,32 @@ def read_bytes(url: str, storage_options: Mapping[str, Any] | None = None) -> by
 
 
 def list_sizes(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, int]:
-    """File name → size of the objects directly under ``url`` (fresh, not from fsspec's cache)."""
+    """File name → size of the objects directly under ``url`` (fresh, not from fsspec's cache).
+
+    A listing without sizes (a plain HTTP server's index page) costs one HEAD per file instead."""
     fs, root = filesystem(url, storage_options)
     fs.invalidate_cache(root)
     try:
         with backend_errors(url):
             infos = fs.ls(root, detail=True)
+            return {i["name"].rstrip("/").rsplit("/", 1)[-1]: _size_of(fs, i)
+                    for i in infos if i.get("type") != "directory"}
     except FileNotFoundError:
         return {}
     except OSError as e:
         raise StoreError(redact(f"{url}: cannot list ({e}); check the URL, the endpoint and "
                                 "credentials (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, …)")) from e
-    return {i["name"].rstrip("/").rsplit("/", 1)[-1]: int(i.get("size") or 0)
-            for i in infos if i.get("type") != "directory"}
+
+
+def _size_of(fs, info: Mapping[str, Any]) -> int:
+    """A listed file's size; asked of the server (HEAD) when the listing has none; 0 if the
+    server will not say either."""
+    if info.get("size") is not None:
+        return int(info["size"])
+    try:
+        return int(fs.size(info["name"]) or 0)
+    except FileNotFoundError:  # listed, yet gone (or an index page's link to elsewhere)
+        return 0
 
 
 # ---- writing --------------------------------------------------------------------------------

@@ -9,9 +9,8 @@ offset in [0, seq_len) moves with the epoch; consecutive windows share one token
 
 packed: rows of C = seq_len + 1 tokens, each a list of segments (whole documents, or pieces of
 documents longer than C), placed by best-fit decreasing; padding is token 0 and the loss mask is 0
-wherever input and target do not belong to the same segment. With max_segments = m, a row takes
-at most m segments (kernels with a segment limit): a row holding m is closed, however much room
-it has left, and that room is padding.
+wherever input and target do not belong to the same segment. With max_segments = m (kernels
+with a segment limit) a row takes at most m segments, filled one row at a time (``_fair_fill``).
 
 Cache file (`packed-<key>-seq<seq_len>[-seg<m>].npz`, uncompressed, temp name + os.replace):
     meta      int64[6]   FORMAT_VERSION, seq_len, num_truncated, num_dropped_tokens, num_docs,
@@ -178,16 +177,12 @@ def _pieces(doc_lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarr
     return doc, offset, length
 
 
-def _best_fit(lengths: list[int], capacity: int, first_row: int,
-              max_segments: int = 0) -> np.ndarray:
+def _best_fit(lengths: list[int], capacity: int, first_row: int) -> np.ndarray:
     """Row of each item (lengths sorted decreasing) by best fit: the open row with the least
-    room that fits, ties to the lowest row id; a new row when none fits. With max_segments > 0,
-    a row that holds that many items is closed.
+    room that fits, ties to the lowest row id; a new row when none fits.
 
     _best_fit([5, 4, 3, 2, 1], 6, 0).tolist() == [0, 1, 2, 1, 0]
     """
-    full = max_segments if max_segments > 0 else capacity + 1  # a row never holds > capacity
-    counts: dict[int, int] = {}
     buckets: list[list[int]] = [[] for _ in range(capacity + 1)]  # room → heap of row ids
     mask = 0  # bit r set ⇔ some open row has exactly r tokens of room
     rows = np.empty(len(lengths), dtype=np.int64)
@@ -206,13 +201,52 @@ def _best_fit(lengths: list[int], capacity: int, first_row: int,
             next_row += 1
         rows[i] = row
         room -= length
-        n = counts[row] = counts.get(row, 0) + 1
-        if room and n < full:
+        if room:
             bucket = buckets[room]
             if not bucket:
                 mask |= 1 << room
             heappush(bucket, row)
     return rows
+
+
+def _fair_fill(lengths: np.ndarray, capacity: int, max_segments: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of at most max_segments items, filled one at a time: a row opens with the largest
+    item left; then, while it has k > 1 free slots, it takes the largest item that fits its fair
+    share of the room (room // k), else the largest that fits; ties to the earliest item.
+
+    [a.tolist() for a in _fair_fill(np.array([5, 1, 1, 4]), 6, 2)] == [[0, 1, 3, 2], [0, 0, 1, 1]]
+    """
+    by_len = np.argsort(lengths, kind="stable")
+    bounds = np.searchsorted(lengths[by_len], np.arange(capacity + 2)).tolist()
+    nxt, end, by_len, sizes = bounds[:-1], bounds[1:], by_len.tolist(), lengths.tolist()
+    present = sum(1 << n for n in np.unique(lengths).tolist())  # bit l ⇔ an item of length l left
+
+    def take(limit: int) -> int:
+        nonlocal present
+        fits = present & ((2 << limit) - 1)
+        if not fits:
+            return -1
+        length = fits.bit_length() - 1
+        item = by_len[nxt[length]]
+        nxt[length] += 1
+        if nxt[length] == end[length]:
+            present ^= 1 << length
+        return item
+
+    placed, rows, row = [], [], 0
+    while len(placed) < len(lengths):
+        room, free = capacity, max_segments
+        while free and room > 0:
+            item = take(room // free) if 1 < free < max_segments else -1
+            if item < 0 and (item := take(room)) < 0:
+                break
+            placed.append(item)
+            rows.append(row)
+            room -= sizes[item]
+            free -= 1
+        row += 1
+    return np.array(placed, dtype=np.int64), np.array(rows, dtype=np.int64)
 
 
 def _check_lengths(doc_lengths: np.ndarray) -> np.ndarray:
@@ -227,18 +261,17 @@ def _check_lengths(doc_lengths: np.ndarray) -> np.ndarray:
 
 
 def _check_max_segments(max_segments) -> int | None:
-    if max_segments is None:
-        return None
-    if isinstance(max_segments, bool) or not isinstance(max_segments, (int, np.integer)) or \
-            max_segments < 1:
+    if max_segments is not None and (isinstance(max_segments, bool) or not isinstance(
+            max_segments, (int, np.integer)) or max_segments < 1):
         raise ConfigError(f"max_segments must be None or an int >= 1 (got {max_segments=!r})")
-    return int(max_segments)
+    return None if max_segments is None else int(max_segments)
 
 
 def pack_documents(doc_lengths: np.ndarray, seq_len: int,
                    max_segments: int | None = None) -> PackedLayout:
-    """Pack documents into rows of seq_len + 1 tokens by best-fit decreasing, at most
-    max_segments segments a row (None: no cap).
+    """Pack documents into rows of seq_len + 1 tokens by best-fit decreasing; with a cap of
+    max_segments segments a row, by ``_fair_fill`` (best-fit decreasing under a cap strands the
+    short documents in rows of a few tokens: 25.6% padding against 9.5%, benchmarks/packing.py).
 
     pack_documents(np.array([3, 2, 4]), seq_len=4).row_ptr.tolist() == [0, 1, 3]
     """
@@ -247,14 +280,16 @@ def pack_documents(doc_lengths: np.ndarray, seq_len: int,
     lengths = _check_lengths(doc_lengths)
     capacity = seq_len + 1
     doc, offset, length = _pieces(lengths, seq_len)
-    # decreasing length, ties by (document, piece): items are already in that order, and stable
-    order = np.argsort(-length, kind="stable")
-    n_full = int(np.count_nonzero(length == capacity))  # a full piece fills a row alone
-    rows = np.concatenate([np.arange(n_full, dtype=np.int64),
-                           _best_fit(length[order[n_full:]].tolist(), capacity, n_full,
-                                     max_segments or 0)])
-    # segments in row order (rows numbered by creation), within a row in the order placed
-    order = order[np.argsort(rows, kind="stable")]
+    if max_segments is not None:
+        order, rows = _fair_fill(length, capacity, max_segments)  # already in row order
+    else:
+        # decreasing length, ties by (document, piece): items are already in that order, stable
+        order = np.argsort(-length, kind="stable")
+        n_full = int(np.count_nonzero(length == capacity))  # a full piece fills a row alone
+        rows = np.concatenate([np.arange(n_full, dtype=np.int64),
+                               _best_fit(length[order[n_full:]].tolist(), capacity, n_full)])
+        # segments in row order (rows numbered by creation), within a row in the order placed
+        order = order[np.argsort(rows, kind="stable")]
     counts = np.bincount(rows, minlength=int(rows.max(initial=-1)) + 1)
     row_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     starts = _exclusive_cumsum(lengths)

@@ -44,7 +44,7 @@ __all__ = [
 
 STATE_VERSION = 1  # of the Loader's state: {"version", "consumed_samples", "fingerprint"}
 LAYOUTS = ("concat", "packed")
-MAX_CONSUMED = 1 << 62  # global positions stay far inside int64 (the sampler's MAX_N)
+MAX_CONSUMED = (1 << 63) - 1  # consumed_samples and every global position are int64s
 WATCH_INTERVAL_S = 0.05  # how often BatchPlan.check_stores looks at the manifests (one stat each)
 
 
@@ -91,15 +91,20 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
 def global_positions(consumed: int, *, batch_size: int, rank: int, world_size: int) -> np.ndarray:
     """Rank's global sample positions of the global batch that starts at sample ``consumed``.
 
-    global_positions(8, batch_size=2, rank=1, world_size=3).tolist() == [10, 11]
+    global_positions(8, batch_size=2, rank=1, world_size=3).tolist() == [10, 11]; a batch past
+    int64 is a ConfigError, so a loader never saves a state it could not load.
     """
+    if consumed + batch_size * world_size > MAX_CONSUMED:
+        raise ConfigError(f"this batch would take consumed_samples past 2**63-1 (got consumed_"
+                          f"samples={consumed}, batch_size={batch_size}, world_size={world_size}):"
+                          " the loader has reached the end of its range")
     return sampler.batch_positions(0, batch_size=batch_size, rank=rank, world_size=world_size,
                                    start=consumed)
 
 
 def consumed_of(state: Mapping, fingerprint: str, *, what: str = "loader") -> int:
     """``consumed_samples`` of a saved state, checked once: version 1, this ``fingerprint``, and an
-    integer in [0, 2**62] (numpy integers are fine; True, 1.0 and "8" are not); else ConfigError.
+    int in [0, 2**63) (numpy integers are fine; True, 1.0 and "8" are not); else ConfigError.
 
     consumed_of({"version": 1, "consumed_samples": 8, "fingerprint": "f"}, "f") == 8
     """
@@ -112,8 +117,8 @@ def consumed_of(state: Mapping, fingerprint: str, *, what: str = "loader") -> in
                           "mixture weights differ from the run that saved it")
     consumed = state.get("consumed_samples")
     if not _is_int(consumed) or not 0 <= consumed <= MAX_CONSUMED:
-        raise ConfigError(f"consumed_samples must be an integer in [0, 2**62] (got {consumed!r}, "
-                          f"a {type(consumed).__name__}); pass the state_dict() a loader saved, "
+        raise ConfigError(f"consumed_samples must be an int in [0, 2**63) (got {consumed!r} of "
+                          f"type {type(consumed).__name__}); pass the state_dict() a loader saved, "
                           "unchanged")
     return int(consumed)
 

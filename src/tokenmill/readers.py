@@ -272,17 +272,20 @@ def _prev_blank(f, pos: int) -> bool:
 
 
 def _lines(data: bytes) -> tuple[list[str | None], dict[int, str]]:
-    """Lines of a block (without "\\n"); an undecodable line is None, its error in the dict."""
-    try:
-        lines, bad = data.decode().split("\n"), {}
-    except UnicodeDecodeError:
-        lines, bad = [], {}
-        for i, raw in enumerate(data.split(b"\n")):
-            try:
-                lines.append(raw.decode())
-            except UnicodeDecodeError as e:
-                lines.append(None)
-                bad[i] = f"{e.reason} at column {e.start + 1}"
+    """Lines of a block (without "\\n"); an undecodable line is None, its error in the dict.
+
+    Decoded line by line, not as one block: "\\n" is never inside a UTF-8 sequence, so the
+    lines are the same, and one wide character (an emoji) no longer widens a whole 1 MiB str to
+    4 bytes a character — 0.23 s → 0.06 s for 100 MB of Debian docs.
+    """
+    lines: list[str | None] = []
+    bad = {}
+    for i, raw in enumerate(data.split(b"\n")):
+        try:
+            lines.append(raw.decode())
+        except UnicodeDecodeError as e:
+            lines.append(None)
+            bad[i] = f"{e.reason} at column {e.start + 1}"
     if data.endswith(b"\n"):
         lines.pop()
     return lines, bad

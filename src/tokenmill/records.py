@@ -87,9 +87,18 @@ class Skip:
 Report = Callable[[str, str, str], Skip]  # report(where, reason, detail): a Skip, or it raises
 
 
+def web_path(path: str) -> str:
+    """An http(s) URL without its query and fragment (other paths unchanged), the part that names
+    the file: web_path("https://h/a.jsonl?sig=x#f") == "https://h/a.jsonl"."""
+    if not path.lower().startswith(("http://", "https://")):
+        return path
+    return path.split("#", 1)[0].split("?", 1)[0]
+
+
 def format_or_none(path: str) -> str | None:
-    """The format of a file from its name, None if unsupported: format_or_none("a.TXT") == "txt"."""
-    name = path.lower()
+    """The format of a file from its name, None if unsupported: format_or_none("a.TXT") == "txt";
+    an http(s) URL's query is not part of its name: format_or_none("http://h/a.txt?k=v") == "txt"."""
+    name = web_path(path).lower()
     return next((ext[1:] for ext in EXTENSIONS if name.endswith(ext)), None)
 
 

@@ -33,6 +33,7 @@ trailing newlines are common. A UTF-8 byte-order mark is dropped in line-based m
 
 from __future__ import annotations
 
+import errno
 import glob as globlib
 import json
 import os
@@ -49,7 +50,7 @@ from tokenmill.errors import InputError
 from tokenmill.io import file_size, filesystem, is_url
 from tokenmill.records import (COMPRESSED, EXTENSIONS, FORMATS, LONG_DOCUMENT, REASONS, Skip,
                                SourceConfig, Unit, check_policy, describe, format_of,
-                               format_or_none, io_errors, problem)
+                               format_or_none, io_errors, problem, web_path)
 
 __all__ = ["DATASET_STATE", "FORMATS", "Ignored", "Listing", "REASONS", "Skip", "SourceConfig",
            "Unit", "dataset_files", "format_of", "list_files", "list_inputs", "needs_payload",
@@ -59,6 +60,7 @@ _COLUMNAR = {"parquet": (columnar.plan_parquet, columnar.read_parquet),
              "arrow": (columnar.plan_arrow, columnar.read_arrow)}
 DATASET_STATE = "state.json"  # Dataset.save_to_disk: {"_data_files": [{"filename": …}, …], …}
 _WARNED: set[str] = set()
+_WARNED_LONG: set[str] = set()  # files with a document over LONG_DOCUMENT characters, warned once
 
 
 @dataclass(frozen=True)
@@ -167,11 +169,29 @@ def read_unit(unit: Unit, config: SourceConfig, payload: bytes | None = None) ->
     fmt = format_of(unit.path)
     try:
         if fmt in _COLUMNAR:
-            yield from _COLUMNAR[fmt][1](unit.path, unit.start, unit.stop, config, report)
+            docs = _COLUMNAR[fmt][1](unit.path, unit.start, unit.stop, config, report)
         else:
-            yield from readers.read_text(unit, fmt, config, report, payload)
+            docs = readers.read_text(unit, fmt, config, report, payload)
+        if fmt == "txt" and config.txt_mode == "file":
+            yield from docs  # a whole file is one document: warned about when planned
+        else:
+            yield from _warn_long_documents(unit.path, docs)
     except io_errors() as e:
         yield report("file", "unreadable", describe(e))
+
+
+def _warn_long_documents(path: str, docs: Iterator[str | Skip]) -> Iterator[str | Skip]:
+    """``docs`` unchanged; warns once per file at the first document of more than LONG_DOCUMENT
+    characters (a jsonl line, a row, a txt line or paragraph), tokenized whole in memory."""
+    for doc in docs:
+        if isinstance(doc, str) and len(doc) > LONG_DOCUMENT:
+            message = (f"tokenmill: {path}: a single document of {len(doc):,} characters, "
+                       f"tokenized whole in memory (~{len(doc) // 4:,} tokens of a typical BPE); "
+                       "cut such documents into smaller ones (.txt: --txt-mode lines or paragraphs)")
+            if path not in _WARNED_LONG:
+                _WARNED_LONG.add(path)
+                warnings.warn(message, stacklevel=2)
+        yield doc
 
 
 def read_documents(inputs: str | os.PathLike | Sequence[str | os.PathLike],
@@ -287,20 +307,46 @@ def _walk(root: str, passed: list[str]) -> list[str]:
     return [os.path.normpath(f) for f in found]
 
 
+def _unreachable(e: BaseException | None) -> bool:
+    """True if ``e`` or an exception it came from is a failure to connect (refused, no route, DNS):
+    fsspec's HTTP backend reports one as FileNotFoundError from aiohttp's ClientConnectorError."""
+    while e is not None:
+        if isinstance(e, ConnectionError) or type(e).__name__ in _CONNECT_ERRORS or (
+                isinstance(e, OSError) and e.errno in _CONNECT_ERRNOS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+_CONNECT_ERRORS = {"ClientConnectorError", "ClientConnectorDNSError", "EndpointConnectionError",
+                   "ConnectTimeoutError", "gaierror"}
+_CONNECT_ERRNOS = {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT}
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The first exception of the chain that led to ``e``."""
+    while (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    return e
+
+
 def _expand_url(url: str, storage_options, passed: list[str]) -> list[str]:
-    """Files an fsspec URL (file, directory or glob) stands for, as URLs."""
+    """Files an fsspec URL (file, directory or glob) stands for, as URLs; an http(s) URL with a
+    query (a signed URL) is one file: its '?' is not a glob character."""
     try:
         fs, root = filesystem(url, storage_options)
-        if _has_magic(root):
+        if _has_magic(web_path(root)):
             infos = fs.glob(root, detail=True)
         else:
             try:
                 infos = {root: fs.info(root)}
-            except FileNotFoundError:
+            except FileNotFoundError as e:
+                if _unreachable(e):
+                    raise
                 return []
             if infos[root]["type"] != "directory":
                 format_of(url)  # raises for an unsupported type
-        arrow_ok = _has_magic(root) and root.lower().endswith(".arrow")
+        arrow_ok = _has_magic(web_path(root)) and web_path(root).lower().endswith(".arrow")
         found, skipped = [], []
         for path, info in infos.items():
             if info["type"] == "directory":
@@ -310,6 +356,10 @@ def _expand_url(url: str, storage_options, passed: list[str]) -> list[str]:
         passed += [fs.unstrip_protocol(p) for p in skipped]
         return [fs.unstrip_protocol(p) for p in found]
     except (OSError, ValueError, ImportError) as e:
+        if _unreachable(e):
+            raise InputError(f"{url}: cannot reach its host ({describe(_root_cause(e))}); check the "
+                             "host name and port, and that the server is running", path=url,
+                             where="file", reason="unreadable") from e
         raise InputError(f"{url}: cannot list ({describe(e)}); check the URL, storage_options "
                          "and that the fsspec backend is installed", path=url, where="file",
                          reason="unreadable") from e

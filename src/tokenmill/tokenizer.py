@@ -359,6 +359,22 @@ class SentencePieceTokenizer:
         return f"SentencePieceTokenizer({self._spec!r})"
 
 
+def _tokenizer_json(path: str, data: bytes) -> dict:
+    """The parsed tokenizer.json, or a TokenizerError saying why it is not one (not JSON, or JSON
+    without a tokenizer's "model"), instead of the tokenizers library's serde error."""
+    try:
+        config = json.loads(data)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise TokenizerError(f"{path}: not a Hugging Face tokenizer.json: not JSON ({e})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        has = (f"an object with keys {sorted(config)[:8]}" if isinstance(config, dict)
+               else f"a JSON {type(config).__name__}")
+        raise TokenizerError(f"{path}: not a Hugging Face tokenizer.json (it holds {has}, no "
+                             "\"model\"); pass the tokenizer.json saved with the model, e.g. by "
+                             "tokenizer.save_pretrained()")
+    return config
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer.json, run by the fastest engine proven to give its ids."""
 
@@ -369,9 +385,9 @@ class HFTokenizer:
 
         self._spec, self._kwargs = path, {"eos": eos, "bos": bos}
         self._data, self.name = data, os.path.basename(path)
+        config = _tokenizer_json(path, data)
         try:
             self._hf = HFTok.from_str(data.decode("utf-8"))
-            config = json.loads(data)
         except Exception as e:
             raise TokenizerError(f"{path}: not a Hugging Face tokenizer.json: {e}") from e
         self._hf.no_truncation()  # a file's max_length (e.g. 512) must not cut documents

@@ -48,7 +48,8 @@ from tokenmill import sources
 from tokenmill.errors import ConfigError, StoreError, TokenmillError
 from tokenmill.io import atomic_write_bytes, filesystem, is_url, json_bytes
 from tokenmill.prepare.run import Progress, Run, report, start_run, summary_line, unit_weights
-from tokenmill.prepare.tokenize import PrepareConfig, config_tokenizer, tokenize_unit
+from tokenmill.prepare.tokenize import (PrepareConfig, config_tokenizer, engine_record,
+                                        tokenize_unit)
 from tokenmill.procs import resolve_workers
 from tokenmill.store.format import idx_bytes, shard_name
 from tokenmill.store.writer import PROGRESS, ShardInfo
@@ -136,7 +137,7 @@ def stage_unit(job: Job, u: int, unit: sources.Unit) -> Staged:
                       meta.get("digest"))
     c = job.config
     tok = config_tokenizer(c.tokenizer if c.tokenizer == "bytes" else job.local(c.tokenizer),
-                           c.fast_tokenizer, c.eos, c.bos)
+                           c.tokenizer_engine, c.eos, c.bos)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one task per core already
     res = tokenize_unit(replace(unit, path=job.local(unit.path)), c, job.storage_options, tok)
     skips = [(o, replace(s, path=unit.path)) for o, s in res.skips]  # named as the driver names it
@@ -267,7 +268,8 @@ def prepare_on_ray(inputs: Sequence[str], *, out: str | os.PathLike, tokenizer: 
         finally:
             if owned:
                 ray.shutdown()
-        manifest = writer.finish(run.tok.identity(), run.settings)
+        manifest = writer.finish(run.tok.identity(), run.settings,
+                                 {"tokenizer_engine": engine_record(run.tok)})
     except BaseException:
         writer.abort()
         raise

@@ -325,7 +325,7 @@ class TokenDataset(IterableDataset):
         return {**self.__dict__, "_loader": None, "_pid": None}
 
 
-# ---- packed batches → attention kernels ---------------------------------------------------------
+# ---- packed batches → attention kernels --------------------------------------------------------
 
 def _segment_ids(batch) -> tuple[np.ndarray, torch.device]:
     """The batch's segment_ids as a host numpy array, and the device they came from."""
@@ -338,7 +338,7 @@ def _segment_ids(batch) -> tuple[np.ndarray, torch.device]:
 def dense_document_mask(batch) -> torch.Tensor:
     """(B, 1, L, L) bool causal document mask for ``scaled_dot_product_attention(attn_mask=)``.
 
-    dense_document_mask({"segment_ids": torch.tensor([[1, 2]])})[0, 0].tolist() == [[True, False], [False, True]]
+    dense_document_mask({"segment_ids": torch.tensor([[1, 2]])})[0, 0].diag().all()
     """
     seg, device = _segment_ids(batch)
     return torch.from_numpy(attention.document_mask(seg))[:, None].to(device)

@@ -14,8 +14,8 @@ from typing import Any, Sequence
 
 from tokenmill.errors import ConfigError
 from tokenmill.prepare.pool import UnitPool, ordered_results
-from tokenmill.prepare.run import (Progress, Run, file_sizes, report, run_local, start_run,
-                                   summary_line, unit_weights)
+from tokenmill.prepare.run import (Progress, Run, file_sizes, prepare_local, report, run_local,
+                                   start_run, summary_line, unit_weights)
 from tokenmill.prepare.tokenize import (DEFAULT_SHARD_TOKENS, PrepareConfig, UnitResult,
                                         input_name, tokenize_unit)
 from tokenmill.procs import resolve_workers
@@ -39,7 +39,11 @@ def prepare(inputs: str | Sequence[str], *, out: str | os.PathLike, tokenizer: s
     ``out`` may be an fsspec URL (``s3://bucket/store``): the store is staged under
     ``$TOKENMILL_CACHE_DIR/staging/``, each shard uploaded as it is committed and the manifest
     last; rerunning the same command resumes. ``storage_options`` go to fsspec for inputs and out.
-    ``options`` are ``PrepareConfig`` fields (shard_tokens, text_key, txt_mode, on_error, …).
+    ``options`` are ``PrepareConfig`` fields (shard_tokens, text_key, txt_mode, on_error,
+    tokenizer_engine, …). ``workers="auto"``: in this process when the tokenizer's engine spreads
+    itself over every core (fastokens: measured faster than 2 processes on 2 cores), else one
+    process per core (``prepare.run.auto_workers``). The manifest's ``tokenizer_engine`` says
+    which engine ran (and why faster ones were refused); it is not part of the fingerprint.
     ``engine="ray"`` runs on Ray (``ray_address``: None, "auto" or "HOST:PORT"), same bytes:
     see ``tokenmill.integrations.ray`` and docs/scale-out.md. Only one prepare writes an output
     at a time: a second one fails at once with a ``ConcurrentWriterError`` naming the first's pid.
@@ -51,9 +55,6 @@ def prepare(inputs: str | Sequence[str], *, out: str | os.PathLike, tokenizer: s
                               storage_options=storage_options, address=ray_address, **options)
     if engine != "local":
         raise ConfigError(f"engine must be 'local' or 'ray' (got {engine=!r})")
-    n_workers = resolve_workers(workers)
-    run = start_run(inputs, out=out, tokenizer=tokenizer, overwrite=overwrite,
-                    storage_options=storage_options, progress=progress, **options)
-    if isinstance(run, dict):
-        return run  # already complete
-    return run_local(run, n_workers)
+    return prepare_local(inputs, out=out, tokenizer=tokenizer, workers=workers,
+                         overwrite=overwrite, storage_options=storage_options, progress=progress,
+                         **options)

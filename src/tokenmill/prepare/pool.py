@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_any
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -178,21 +179,22 @@ class UnitPool:
 def ordered_results(units: Sequence[sources.Unit], first: int, workers: int,
                     config: PrepareConfig, storage_options: Mapping | None = None,
                     tokenizer: Tokenizer | None = None,
-                    payloads: Iterable[bytes | None] | None = None
-                    ) -> Iterator[tuple[int, UnitResult]]:
+                    payloads: Iterable[bytes | None] | None = None,
+                    pool: UnitPool | None = None) -> Iterator[tuple[int, UnitResult]]:
     """(unit index, result) for units ``first``… in order; ``payloads`` (one per unit from
     ``first``, None for a unit its worker reads itself) go with their units. One worker:
-    tokenized inline with ``tokenizer``."""
+    tokenized inline with ``tokenizer``. ``pool``: workers already started (the caller's to
+    close), used when ``workers`` > 1."""
     feed = iter(payloads) if payloads is not None else None
     if workers <= 1:
         for u in range(first, len(units)):
             payload = next(feed) if feed is not None else None
             yield u, tokenize_unit(units[u], config, storage_options, tokenizer, payload)
         return
-    with UnitPool(workers, config, storage_options) as pool:
+    with UnitPool(workers, config, storage_options) if pool is None else nullcontext(pool) as p:
         nxt = first
         for u in range(first, len(units)):
-            while nxt < len(units) and nxt - u < UNITS_PER_WORKER * workers:
-                pool.submit(nxt, units[nxt], next(feed) if feed is not None else None)
+            while nxt < len(units) and nxt - u < UNITS_PER_WORKER * len(p.workers):
+                p.submit(nxt, units[nxt], next(feed) if feed is not None else None)
                 nxt += 1
-            yield u, pool.wait(u).result
+            yield u, p.wait(u).result

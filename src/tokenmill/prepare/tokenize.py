@@ -40,7 +40,7 @@ class PrepareConfig:
     add_bos: bool = False
     eos: str | None = None
     bos: str | None = None
-    fast_tokenizer: bool = True
+    tokenizer_engine: str = "auto"  # what runs a tokenizer.json; never changes the ids
     unit_bytes: int = 4 << 20  # 4 MiB units: small enough that 2 workers end together
 
     def __post_init__(self):
@@ -59,7 +59,7 @@ class PrepareConfig:
         """What the manifest records: the config minus display-only fields, plus the inputs
         (local paths normalised, URLs redacted: ``same_input`` spellings record the same)."""
         s = asdict(self)
-        s.pop("fast_tokenizer")  # both engines give identical ids (proven at load time)
+        s.pop("tokenizer_engine")  # every engine gives identical ids (proven at load time)
         s.pop("unit_bytes")  # how work is split never changes the bytes (the resume key has it)
         s["inputs"] = [input_name(i) for i in inputs]
         s["num_files"] = len(files)
@@ -91,14 +91,35 @@ class UnitResult:
 
 
 @functools.lru_cache(maxsize=4)
-def config_tokenizer(spec: str, fast: bool, eos: str | None, bos: str | None) -> Tokenizer:
+def config_tokenizer(spec: str, engine: str, eos: str | None, bos: str | None) -> Tokenizer:
     """The tokenizer of a config, loaded once per process."""
-    return load_tokenizer(spec, fast=fast, eos=eos, bos=bos)
+    return load_tokenizer(spec, engine=engine, eos=eos, bos=bos)
 
 
 def tokenizer_of(config: PrepareConfig) -> Tokenizer:
     """``config``'s tokenizer, loaded once per process."""
-    return config_tokenizer(config.tokenizer, config.fast_tokenizer, config.eos, config.bos)
+    return config_tokenizer(config.tokenizer, config.tokenizer_engine, config.eos, config.bos)
+
+
+def engine_option(options: dict) -> dict:
+    """``options`` with the older ``fast_tokenizer`` (False: "hf"; True: "auto"; a str: that
+    engine) turned into ``tokenizer_engine``.
+
+    engine_option({"fast_tokenizer": False}) == {"tokenizer_engine": "hf"}
+    """
+    if "fast_tokenizer" not in options:
+        return options
+    options = dict(options)
+    fast = options.pop("fast_tokenizer")
+    options.setdefault("tokenizer_engine", fast if isinstance(fast, str) else
+                       ("auto" if fast else "hf"))
+    return options
+
+
+def engine_record(tok: Tokenizer) -> dict:
+    """What the manifest says about the engine that ran (never fingerprinted: every engine
+    gives the same ids): ``{"name": "fastokens", "notes": [why faster ones were refused]}``."""
+    return {"name": tok.engine, "notes": list(tok.engine_notes)}
 
 
 def tokenize_unit(unit: sources.Unit, config: PrepareConfig, storage_options: Mapping | None = None,

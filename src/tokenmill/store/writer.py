@@ -219,8 +219,8 @@ class StoreWriter:
             self.out.mkdir(parents=True, exist_ok=True)
             self._lock = take_lock(self.out, self.where)
         except OSError as e:
-            raise StoreError(f"{redact(os_error_text(e))}; the output must be a folder that "
-                             "tokenmill can create and write in") from None
+            why = f"{self.where}: is a file, not a folder" if self.out.is_file() else os_error_text(e)
+            raise StoreError(f"{redact(why)}; the output must be a folder to write in") from None
         try:
             self._lease = Lease(remote, self.where) if remote is not None else None
             self.manifest = self._existing_store()
@@ -263,13 +263,13 @@ class StoreWriter:
         """Raise if the output holds shard files that nothing of ours names."""
         strays = sorted(n for n in self._listing() if SHARD_FILE.fullmatch(n) and n not in ours)
         if strays:
-            shown = ", ".join(strays[:5]) + (f" and {len(strays) - 5} more" if len(strays) > 5
-                                             else "")
+            them = "them" if len(strays) > 1 else "it"
+            more = f" and {len(strays) - 5} more" if len(strays) > 5 else ""
             raise StoreError(
-                f"{self.where}: holds {shown}, which no manifest or progress record of tokenmill "
-                "there names, so tokenmill cannot tell that it wrote them and will not delete "
-                "or overwrite them; move them away (or delete them yourself), or choose "
-                "another --out")
+                f"{self.where}: holds {', '.join(strays[:5])}{more}, which no manifest or progress "
+                f"record of tokenmill there names, so tokenmill cannot tell that it wrote {them} "
+                f"and will not delete or overwrite {them}; move {them} away (or delete {them} "
+                "yourself), or choose another --out")
 
     def _existing_store(self) -> dict | None:
         """The manifest if the output already holds this very store; else None (after removing

@@ -24,6 +24,7 @@ import numpy as np
 from tokenmill import sources
 from tokenmill.errors import ConcurrentWriterError
 from tokenmill.prepare.run import input_check
+from tokenmill.prepare.tokenize import engine_record
 from tokenmill.store.format import MANIFEST
 from tokenmill.store.writer import StoreWriter, WriterConfig
 from tokenmill.streaming.plan import Cursor, StreamPlan
@@ -36,8 +37,10 @@ WAIT_POLL_S = 0.2
 class CacheWriter:
     """The pass's documents into the cache store through the one store writer, timed."""
 
-    def __init__(self, plan: StreamPlan, writer: StoreWriter, identity: dict, stats: dict):
+    def __init__(self, plan: StreamPlan, writer: StoreWriter, identity: dict, stats: dict,
+                 engine: dict | None = None):
         self.plan, self.writer, self.identity, self.stats = plan, writer, identity, stats
+        self.engine = engine  # the manifest's tokenizer_engine, as prepare records it
         if not writer.shards:  # a fresh store: what listing the inputs passed over counts too
             for skip in plan.list_skips:
                 writer.skips.add(skip)
@@ -54,7 +57,8 @@ class CacheWriter:
     def finish(self) -> None:
         """Close the last shard, write the manifest (last, atomically), release the lock."""
         t0 = time.perf_counter()
-        self.writer.finish(self.identity, self.plan.settings)
+        self.writer.finish(self.identity, self.plan.settings,
+                           None if self.engine is None else {"tokenizer_engine": self.engine})
         self.stats["write"] += time.perf_counter() - t0
 
     def abort(self) -> None:
@@ -87,7 +91,7 @@ def claim_writer(plan: StreamPlan, tokenizer: Tokenizer, stats: dict) -> CacheWr
         writer.close()
         return None
     try:
-        return CacheWriter(plan, writer, tokenizer.identity(), stats)
+        return CacheWriter(plan, writer, tokenizer.identity(), stats, engine_record(tokenizer))
     except BaseException:
         writer.close()
         raise

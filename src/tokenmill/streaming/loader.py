@@ -258,8 +258,8 @@ def check_state(state: Mapping[str, Any],
                           "sizes/times), tokenizer, options, seq_len, seed or shuffle_buffer "
                           "differ")
     k, n = state.get("consumed_samples"), state.get("pass_samples")
-    if not (_is_int(k) and 0 <= k < MAX_CONSUMED) or not (n is None or _is_int(n) and n > 0):
-        raise ConfigError(f"consumed_samples must be an int in [0, 2**62) and pass_samples None "
+    if not (_is_int(k) and 0 <= k <= MAX_CONSUMED) or not (n is None or _is_int(n) and n > 0):
+        raise ConfigError(f"consumed_samples must be an int in [0, 2**63) and pass_samples None "
                           f"or an int > 0 (got consumed_samples={k!r}, pass_samples={n!r})")
     if n is not None and store_complete(plan):
         have = pack.concat_num_samples(read_manifest(plan.store_dir)["num_tokens"], plan.seq_len)
@@ -273,16 +273,14 @@ def check_state(state: Mapping[str, Any],
 def check_cursor(resume: Any, plan: StreamPlan) -> Cursor | None:
     """The state's resume_from as a Cursor: None when absent or unchecked (a state of an earlier
     version: reading starts earlier, never elsewhere); a ConfigError when it contradicts itself."""
-    if resume is None:
-        return None
+    if resume is None or not isinstance(resume, Mapping) or "check" not in resume:
+        return None  # no check: nothing ties it to this pass, so it is not even range-checked
     values = tuple(resume.get(f) for f in CURSOR_FIELDS) if isinstance(resume, Mapping) else ()
     if (len(values) != 3 or not all(_is_int(x) and x >= 0 for x in values)
             or values[0] > len(plan.units)):
         raise ConfigError(f"resume_from must hold ints >= 0 {CURSOR_FIELDS} with unit <= "
                           f"{len(plan.units)} (got resume_from={resume!r})")
     cursor = Cursor(*map(int, values))
-    if "check" not in resume:
-        return None
     if resume["check"] != cursor_check(plan.fingerprint, cursor):
         raise ConfigError(f"resume_from={dict(resume)!r} does not match its check: it was edited "
                           "or mixed from another state, and would replay the wrong tokens; "
