@@ -329,11 +329,13 @@ def test_ordinary_failures_are_one_line_and_bugs_keep_their_traceback(capsys):
     assert capsys.readouterr().err == "tokenmill verify: interrupted\n"
 
 
-def test_a_warning_is_one_line_naming_the_command(tmp_path):
-    # one document of 72 MiB of text (a jsonl line): warned about where it is read
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_warning_is_one_line_naming_the_command(tmp_path, workers):
+    # one document of 72 MiB of text (a jsonl line): warned about where it is read — in a worker
+    # process too (its stderr is not the user's: the pool hands its warnings to the parent)
     with open(tmp_path / "big.jsonl", "w") as f:
         f.write(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": "ab " * (24 << 20)}) + "\n")
-    r = cli("prepare", "big.jsonl", "--out", "store", "--workers", "1", "--quiet", cwd=tmp_path)
+    r = cli("prepare", "big.jsonl", "--out", "store", "--workers", workers, "--quiet", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.splitlines() == [
         f"tokenmill prepare: warning: big.jsonl: a single document of {3 * (24 << 20):,} "

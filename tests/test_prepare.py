@@ -506,3 +506,20 @@ def test_a_url_output_written_from_another_machine_is_refused_by_its_lease(tmp_p
     lease.write_text(json.dumps({**data, "host": "node-7", "expires": time.time() - 1}))
     prepare([str(tmp_path / "c.jsonl")], out=url, workers=1, progress=False)  # expired: ours
     assert verify_store(tmp_path / "bucket" / "store") == [] and not lease.exists()
+
+
+def test_a_folder_input_says_which_files_it_ignored_by_extension(tmp_path):
+    """issue 12.13: files prepare cannot read are counted by extension, never passed over silently."""
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    (src / "README.md").write_text("# notes\n")
+    (src / "data.csv").write_text("a,b\n")
+    (src / "extra.csv").write_text("c,d\n")
+    cli = Path(sys.executable).with_name("tokenmill")
+    proc = subprocess.run([str(cli), "prepare", str(src), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "ignored 3 files: 2 .csv, 1 .md" in proc.stderr, proc.stderr
+    assert "done: 1 documents" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -146,7 +146,9 @@ def add_prepare(sub) -> None:
     pp.add_argument("--out", required=True, help="store directory to create (or resume)")
     pp.add_argument("--tokenizer", default="bytes",
                     help="'bytes' (default), a tokenizer.json, a .tiktoken file or a .model file")
-    pp.add_argument("--workers", type=_int_or_auto, default="auto", help="processes (default: cores)")
+    pp.add_argument("--workers", type=_int_or_auto, default="auto",
+                    help="worker processes (default auto: in this process when the tokenizer engine "
+                         "uses every core itself (fastokens), else one per core)")
     pp.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default 2^26)")
     pp.add_argument("--text-key", default="text", help="JSONL field / parquet column (default text)")
     pp.add_argument("--txt-mode", choices=["file", "lines", "paragraphs"], default="file",
@@ -250,7 +252,7 @@ def run_prepare(args) -> int:
     from tokenmill.prepare import prepare
     options = dict(text_key=args.text_key, txt_mode=args.txt_mode, on_error=args.on_error,
                    add_eos=not args.no_eos, add_bos=args.bos, eos=args.eos_token,
-                   fast_tokenizer=False if args.no_fast_tokenizer else args.tokenizer_engine)
+                   tokenizer_engine="hf" if args.no_fast_tokenizer else args.tokenizer_engine)
     if args.shard_tokens is not None:
         options["shard_tokens"] = args.shard_tokens
     prepare(args.inputs, out=args.out, tokenizer=args.tokenizer, workers=args.workers,

@@ -370,7 +370,7 @@ class Loader:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state``; refuses a state from other stores or another layout/seed, and
-        a ``consumed_samples`` that is not an integer in [0, 2**62] (numpy integers are fine)."""
+        a ``consumed_samples`` that is not an int in [0, 2**63) (numpy integers are fine)."""
         consumed = consumed_of(state, self.fingerprint)
         self._retire(f"this Loader's state was loaded (load_state_dict, or a new pass of a "
                      f"wrapper such as to_torch) after this iterator was made; iterate again to "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_any
@@ -48,11 +49,13 @@ class UnitTask:
 
 @dataclass(frozen=True)
 class UnitDone:
-    """Worker → parent: unit ``index`` tokenized in ``seconds``."""
+    """Worker → parent: unit ``index`` tokenized in ``seconds``; the warnings it raised (a
+    worker's stderr is not the user's: the parent raises them again)."""
 
     index: int
     result: UnitResult
     seconds: float
+    warned: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -74,11 +77,14 @@ def serve(conn, config: PrepareConfig, storage_options: Mapping | None) -> None:
             return
         t0 = time.perf_counter()
         try:
-            res = tokenize_unit(task.unit, config, storage_options, tok, task.payload)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                res = tokenize_unit(task.unit, config, storage_options, tok, task.payload)
         except Exception as e:  # noqa: BLE001 - every failure goes to the parent, in order
             conn.send(UnitFailed(task.index, Failed.of(e)))
             continue
-        conn.send(UnitDone(task.index, res, time.perf_counter() - t0))
+        conn.send(UnitDone(task.index, res, time.perf_counter() - t0,
+                           tuple(str(w.message) for w in caught)))
 
 
 @dataclass(frozen=True)
@@ -148,6 +154,8 @@ class UnitPool:
         msg = self.done.pop(index)
         if isinstance(msg, UnitFailed):
             msg.failed.reraise()
+        for text in msg.warned:
+            warnings.warn(text, UserWarning, stacklevel=2)
         return msg
 
     def _receive(self, w: Worker) -> None:
