@@ -36,24 +36,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from tokenmill import Loader  # noqa: E402
 from tokenmill.bench import calibrate_step, measure_steps, tokens_per_s  # noqa: E402
-from tokenmill.tokenizer import train_bpe  # noqa: E402
+from prepare import trained_tokenizer  # noqa: E402 (benchmarks/prepare.py, beside this file)
 
-VOCAB, TRAIN_MB = 32_000, 20
 
 
 def bpe_tokenizer(corpus: Path) -> Path:
-    """The cached 32k byte-level BPE of the corpus; trained on a stride sample if missing."""
-    path = BENCH / f"bpe32k-{corpus.stem}.json"
-    if path.exists():
-        return path
-    stride = max(1, round(corpus.stat().st_size / (TRAIN_MB * 1e6)))
-    with open(corpus, "rb") as f:
-        texts = [json.loads(line)["text"] for i, line in enumerate(f) if i % stride == 0]
-    t0 = time.perf_counter()
-    train_bpe(texts, VOCAB, out_path=path)
-    print(f"trained {path.name} on {sum(len(t.encode()) for t in texts) / 1e6:.1f} MB in "
-          f"{time.perf_counter() - t0:.0f} s", flush=True)
-    return path
+    """The cached 32k byte-level BPE of the corpus (benchmarks/prepare.py trains it if missing)."""
+    return trained_tokenizer(corpus)
 
 
 def fresh_loader(corpus: Path, tokenizer: Path, args, name: str) -> Loader:

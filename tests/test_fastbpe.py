@@ -185,21 +185,25 @@ def llama3_engines(llama3_json):
     return all_engines(llama3_json)
 
 
+def assert_engines_agree(engines: dict, texts: list[str]) -> list:
+    """Every engine gives `tokenizers`' ids for ``texts``; those ids."""
+    want = ids_of(engines["hf"], texts)
+    for name, tok in engines.items():
+        assert ids_of(tok, texts) == want, name
+    return want
+
+
 @settings(max_examples=150, deadline=None)
 @given(texts=st.lists(texts_strategy(), min_size=1, max_size=4))
 def test_every_engine_equals_tokenizers_gpt2(gpt2_engines, texts):
-    want = ids_of(gpt2_engines["hf"], texts)
-    for name, tok in gpt2_engines.items():
-        assert ids_of(tok, texts) == want, name
+    want = assert_engines_agree(gpt2_engines, texts)
     assert [gpt2_engines["fastokens"].decode(x) for x in want] == texts
 
 
 @settings(max_examples=150, deadline=None)
 @given(texts=st.lists(texts_strategy(), min_size=1, max_size=4))
 def test_every_engine_equals_tokenizers_llama3(llama3_engines, texts):
-    want = ids_of(llama3_engines["hf"], texts)
-    for name, tok in llama3_engines.items():
-        assert ids_of(tok, texts) == want, name
+    assert_engines_agree(llama3_engines, texts)
 
 
 def test_added_tokens_with_flags_are_proven_per_engine(gpt2_json, tmp_path):

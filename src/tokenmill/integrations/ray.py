@@ -47,9 +47,9 @@ import xxhash
 from tokenmill import sources
 from tokenmill.errors import ConfigError, StoreError, TokenmillError
 from tokenmill.io import atomic_write_bytes, filesystem, is_url, json_bytes
-from tokenmill.prepare.run import Progress, Run, report, start_run, summary_line, unit_weights
-from tokenmill.prepare.tokenize import (PrepareConfig, config_tokenizer, engine_record,
-                                        tokenize_unit)
+from tokenmill.prepare.run import (Progress, Run, finish, report, start_run, summary_line,
+                                   unit_weights)
+from tokenmill.prepare.tokenize import PrepareConfig, config_tokenizer, tokenize_unit
 from tokenmill.procs import resolve_workers
 from tokenmill.store.format import idx_bytes, shard_name
 from tokenmill.store.writer import PROGRESS, ShardInfo
@@ -268,8 +268,7 @@ def prepare_on_ray(inputs: Sequence[str], *, out: str | os.PathLike, tokenizer: 
         finally:
             if owned:
                 ray.shutdown()
-        manifest = writer.finish(run.tok.identity(), run.settings,
-                                 {"tokenizer_engine": engine_record(run.tok)})
+        manifest = finish(run)
     except BaseException:
         writer.abort()
         raise

@@ -196,8 +196,7 @@ def run_local(run: Run, workers: int, pool: UnitPool | None = None) -> dict:
                                       run.tok, payloads, pool):
             writer.add(u, 0, res.tokens, res.lengths, res.skips, res.digest)
             meter.update(weights[u], docs=len(res.lengths), tokens=len(res.tokens))
-        manifest = writer.finish(run.tok.identity(), run.settings,
-                                 {"tokenizer_engine": engine_record(run.tok)})
+        manifest = finish(run)
     except BaseException:
         writer.abort()
         raise
@@ -206,6 +205,12 @@ def run_local(run: Run, workers: int, pool: UnitPool | None = None) -> dict:
         meter.close()
     report(summary_line(manifest), run.progress)
     return manifest
+
+
+def finish(run: Run) -> dict:
+    """Write the manifest of a run whose every unit is in (either engine); the manifest."""
+    return run.writer.finish(run.tok.identity(), run.settings,
+                             {"tokenizer_engine": engine_record(run.tok)})
 
 
 def unit_weights(units: Sequence[sources.Unit], sizes: dict[str, int]) -> list[float]:
