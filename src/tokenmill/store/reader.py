@@ -123,18 +123,6 @@ class TokenStore:
 
     # ---- mapping shards, a bounded number at a time ----------------------------------------
 
-    def _bin(self, i: int) -> np.ndarray:
-        if self._checks.failure is not None:
-            raise StoreError(self._checks.failure)
-        b = self._bins[i]
-        if b is None:
-            return self._map_bin(i)
-        try:  # try/except, not contextlib.suppress: this runs for every read
-            self._maps.move_to_end(i)
-        except KeyError:  # dropped meanwhile: ``b`` stays valid
-            pass
-        return b
-
     def _index(self, i: int) -> IdxArrays:
         x = self._idx[i]
         if x is None:
@@ -365,8 +353,17 @@ class TokenStore:
         return len(self.manifest["shards"])
 
     def shard(self, i: int) -> np.ndarray:
-        """The whole token memmap of shard ``i`` (a remote shard is fetched on first use)."""
-        return self._bin(i)
+        """The whole token memmap of shard ``i`` (mapped, or fetched if remote, on first use)."""
+        if self._checks.failure is not None:
+            raise StoreError(self._checks.failure)
+        b = self._bins[i]
+        if b is None:
+            return self._map_bin(i)
+        try:  # try/except, not contextlib.suppress: this runs for every row of every batch
+            self._maps.move_to_end(i)
+        except KeyError:  # dropped meanwhile: ``b`` stays valid
+            pass
+        return b
 
     @cached_property
     def doc_lengths(self) -> np.ndarray:
@@ -401,7 +398,7 @@ class TokenStore:
         local = i - int(self.shard_doc_starts[s])
         idx = self._index(s)
         start = int(idx.pointers[local]) // self.dtype.itemsize
-        return self._bin(s)[start:start + int(idx.lengths[local])]
+        return self.shard(s)[start:start + int(idx.lengths[local])]
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Global tokens [start, stop): a view inside one shard, a new array across shards."""
@@ -425,7 +422,7 @@ class TokenStore:
             base = int(self.shard_token_starts[s])
             end = min(stop, int(self.shard_token_starts[s + 1]))
             if end > start:
-                yield self._bin(s)[start - base:end - base]
+                yield self.shard(s)[start - base:end - base]
             start = end
             s += 1
 
