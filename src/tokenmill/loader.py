@@ -21,14 +21,16 @@ import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from tokenmill.errors import ConfigError, StaleIterator
-from tokenmill.plan import (STATE_VERSION, BatchPlan, LayoutConfig, batch_at, consumed_of,
-                            global_positions, resolve_rank)
+from tokenmill.plan import (STATE_VERSION, BatchPlan, LayoutConfig, batch_at, global_positions,
+                            resolve_rank)
+from tokenmill.mixture import described_phases
 from tokenmill.procs import usable_cores
+from tokenmill.resume import Difference, consumed_from, differences
 from tokenmill.store.reader import TokenStore
 from tokenmill.streaming import open_stream
 from tokenmill.workers import ProcessPool
@@ -52,6 +54,8 @@ class LoaderOptions:
     worker_type: str = "thread"  # "thread" or "process"
     cache_dir: str | os.PathLike | None = None  # where packed layouts are cached
     max_segments: int | None = None  # packed: at most this many documents a row (kernel limits)
+    # named stores: [(first global sample, {name: weight}), …] phases (docs/mixing.md)
+    mixture: Sequence | None = None
 
     def __post_init__(self):
         if self.prefetch != "auto" and (isinstance(self.prefetch, bool) or
@@ -175,7 +179,8 @@ class Loader:
         self.cache_dir = None if opts.cache_dir is None else str(opts.cache_dir)
         self.num_workers = _resolve_workers(num_workers)
         self.prefetch = _resolve_prefetch(opts.prefetch, self.num_workers)
-        self.plan = BatchPlan.open(source, self.config, dtype=opts.dtype, cache_dir=self.cache_dir)
+        self.plan = BatchPlan.open(source, self.config, dtype=opts.dtype, cache_dir=self.cache_dir,
+                                   mixture=opts.mixture)
         self._finalizer = weakref.finalize(self, _shutdown, None)
         self.weights, self.fingerprint = self.plan.weights, self.plan.fingerprint
         self.samples_per_epoch = self.plan.samples_per_epoch
@@ -364,14 +369,40 @@ class Loader:
     # ---- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The smallest state that reproduces the stream: JSON-able, independent of world size."""
+        """The smallest state that reproduces the stream — JSON-able, independent of world size —
+        and a small record of what the stream depends on (``describe()``), for the resume to
+        explain what differs."""
         return {"version": STATE_VERSION, "consumed_samples": int(self._consumed),
-                "fingerprint": self.fingerprint}
+                "fingerprint": self.fingerprint, "stream": self.describe()}
+
+    def describe(self) -> dict[str, Any]:
+        """What this loader's stream depends on (and the settings that may change on resume)."""
+        mix, config = self.plan.mixture, self.config
+        return {"stores": [[n, s.store.fingerprint] for n, s in zip(mix.names, self.plan.sources)],
+                "weights": None if mix.named else list(mix.weights),
+                "mixture": described_phases(mix) if mix.named else None,
+                "seq_len": config.seq_len, "layout": config.layout, "seed": config.seed,
+                "max_segments": config.max_segments, "batch_size": self.batch_size,
+                "world_size": self.world_size, "num_workers": self.num_workers}
+
+    def resume_report(self, state: Mapping[str, Any]) -> list[Difference]:
+        """How ``state`` and this loader differ (``Difference(what, safe)``, unsafe first); a
+        three-key state without a record is compared by fingerprint alone."""
+        saved = state.get("stream")
+        if isinstance(saved, Mapping):
+            consumed = state.get("consumed_samples")
+            return differences(saved, self.describe(), consumed if isinstance(consumed, int) else 0)
+        if state.get("fingerprint") != self.fingerprint:
+            return [Difference(f"fingerprint {state.get('fingerprint')} → {self.fingerprint} (the "
+                               "state records no more: stores, seq_len, layout, seed or weights)",
+                               False)]
+        return []
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state``; refuses a state from other stores or another layout/seed, and
-        a ``consumed_samples`` that is not an int in [0, 2**63) (numpy integers are fine)."""
-        consumed = consumed_of(state, self.fingerprint)
+        """Continue from ``state``; refuses a state from other stores or another layout/seed, a
+        past mixture phase edited, and a ``consumed_samples`` that is not an int in [0, 2**63)
+        (numpy integers are fine), saying what differs."""
+        consumed = consumed_from(state, self.describe(), self.fingerprint)
         self._retire(f"this Loader's state was loaded (load_state_dict, or a new pass of a "
                      f"wrapper such as to_torch) after this iterator was made; iterate again to "
                      f"continue from consumed_samples={consumed:,}")

@@ -32,6 +32,7 @@ import xxhash
 from tokenmill import pack, sampler
 from tokenmill.errors import ConfigError, StoreError
 from tokenmill.io import FileId, file_id, redact
+from tokenmill.mixture import Mixture, mixture_of
 from tokenmill.store.format import MANIFEST, read_manifest
 from tokenmill.store.reader import TokenStore
 
@@ -182,22 +183,15 @@ class SampleSource:
                 self.store.copy_tokens(s + 1, targets[row])
 
 
-def open_sources(source, config: LayoutConfig, cache_dir: str | os.PathLike | None = None
-                 ) -> tuple[list[SampleSource], list[float]]:
-    """The sample sources and weights of a store (path, URL, TokenStore) or a {store: weight}
-    mixture; refuses weights that are not finite and > 0, and stores of different tokenizers."""
-    if isinstance(source, Mapping):
-        items = list(source.items())
-        if not items:
-            raise ConfigError("a mixture needs at least one store (got an empty mapping)")
-    else:
-        items = [(source, 1.0)]
-    for s, w in items:
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not np.isfinite(w) or w <= 0:
-            raise ConfigError(f"mixture weights must be finite and > 0 (got {w!r} for {s})")
+def open_sources(source, config: LayoutConfig, cache_dir: str | os.PathLike | None = None,
+                 mixture=None) -> tuple[list[SampleSource], Mixture]:
+    """The sample sources and Mixture of a store (path, URL, TokenStore), a {store: weight}
+    mixture or named stores with a ``mixture`` schedule (``mixture.mixture_of``); refuses bad
+    weights and phases, and stores of different tokenizers."""
+    mix, items = mixture_of(source, mixture)
     stores, opened = [], []
     try:
-        for s, _ in items:
+        for s in items:
             stores.append(s if isinstance(s, TokenStore) else TokenStore(s))
             if stores[-1] is not s:
                 opened.append(stores[-1])
@@ -208,7 +202,7 @@ def open_sources(source, config: LayoutConfig, cache_dir: str | os.PathLike | No
         for st in opened:  # refused: leave no store of ours open
             st.close()
         raise
-    return sources, [float(w) for _, w in items]
+    return sources, mix
 
 
 def _token_identity(tokenizer: dict) -> dict:
@@ -232,10 +226,18 @@ def _describe(tokenizer: dict) -> str:
     return json.dumps(tokenizer, sort_keys=True)
 
 
-def fingerprint_of(sources: list[SampleSource], weights: list[float], config: LayoutConfig) -> str:
-    """Hash of everything the sample stream depends on, except batch size and world size."""
-    core = {"stores": [(s.store.fingerprint, w) for s, w in zip(sources, weights)],
-            "seq_len": config.seq_len, "layout": config.layout, "seed": config.seed}
+def fingerprint_of(sources: list[SampleSource], mix: Mixture, config: LayoutConfig) -> str:
+    """Hash of everything the sample stream depends on, except batch size and world size; for
+    named stores with a schedule, the names instead of the weights (phases are compared apart:
+    future phases may change)."""
+    if mix.named:
+        stores = [(n, s.store.fingerprint) for n, s in zip(mix.names, sources)]
+    else:
+        stores = [(s.store.fingerprint, w) for s, w in zip(sources, mix.weights)]
+    core = {"stores": stores, "seq_len": config.seq_len, "layout": config.layout,
+            "seed": config.seed}
+    if mix.named:
+        core["mixture"] = "phases"
     if config.max_segments is not None:  # absent when unset: earlier fingerprints stay valid
         core["max_segments"] = config.max_segments
     return xxhash.xxh3_64_hexdigest(json.dumps(core, sort_keys=True).encode())
@@ -299,7 +301,7 @@ class PlanSpec:
     """What a worker process rebuilds the same BatchPlan from (small; pickled once per worker)."""
 
     stores: tuple[dict, ...]  # TokenStore open arguments (path or URL, cache, options)
-    weights: tuple[float, ...]
+    mixture: Mixture
     config: LayoutConfig
     dtype: str
     cache_dir: str | None
@@ -319,7 +321,7 @@ def plan_from_spec(spec: PlanSpec) -> BatchPlan:
         for st in stores:
             st.close()
         raise
-    return BatchPlan(sources, list(spec.weights), np.dtype(spec.dtype), cache_dir=spec.cache_dir,
+    return BatchPlan(sources, spec.mixture, np.dtype(spec.dtype), cache_dir=spec.cache_dir,
                      closes=tuple(stores))
 
 
@@ -330,16 +332,19 @@ class BatchPlan:
 
     BLOCK = 4096  # positions resolved at once: one vectorized permutation call per block
 
-    def __init__(self, sources: list[SampleSource], weights: list[float], dtype: np.dtype,
+    def __init__(self, sources: list[SampleSource], mix: Mixture | list[float], dtype: np.dtype,
                  *, cache_dir: str | os.PathLike | None = None, closes: tuple = ()):
-        self.sources, self.weights = sources, list(weights)
-        self.schedule = sampler.mixture_schedule(weights) if len(sources) > 1 else None
+        if not isinstance(mix, Mixture):  # plain weights, one per source
+            mix = Mixture(tuple(identity_of(s.store).where for s in sources),
+                          ((0, tuple(float(w) for w in mix)),), False)
+        self.sources, self.mixture, self.weights = sources, mix, list(mix.weights)
+        self.schedule = sampler.phased_schedule(mix.phases) if len(sources) > 1 else None
         self.dtype = np.dtype(dtype)
         self.packed = sources[0].packed is not None
         self.config = sources[0].config
         self.seq_len = self.config.seq_len
         self.cache_dir = None if cache_dir is None else str(cache_dir)
-        self.fingerprint = fingerprint_of(sources, self.weights, self.config)
+        self.fingerprint = fingerprint_of(sources, mix, self.config)
         self.samples_per_epoch = sum(s.num_samples for s in sources)
         self.identities = [identity_of(s.store) for s in sources]
         self._closes = list(closes)  # the stores this plan opened itself
@@ -350,21 +355,23 @@ class BatchPlan:
 
     @classmethod
     def open(cls, source, config: LayoutConfig, *, dtype: str = "int32",
-             cache_dir: str | os.PathLike | None = None) -> BatchPlan:
-        """The plan of a store (path, URL, TokenStore) or a {store: weight} mixture; the stores
-        it opens itself are closed by ``close()``."""
+             cache_dir: str | os.PathLike | None = None, mixture=None) -> BatchPlan:
+        """The plan of a store (path, URL, TokenStore), a {store: weight} mixture or named
+        stores with a ``mixture`` schedule; the stores it opens itself are closed by ``close()``."""
         if np.dtype(dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
             raise ConfigError(f"dtype must be 'int32' or 'int64' (got dtype={dtype!r})")
-        sources, weights = open_sources(source, config, cache_dir)
+        sources, mix = open_sources(source, config, cache_dir, mixture)
         given = {id(s) for s in (source if isinstance(source, Mapping) else [source])
                  if isinstance(s, TokenStore)}
-        return cls(sources, weights, np.dtype(dtype), cache_dir=cache_dir,
+        given |= {id(s) for s in (source.values() if isinstance(source, Mapping) else [])
+                  if isinstance(s, TokenStore)}
+        return cls(sources, mix, np.dtype(dtype), cache_dir=cache_dir,
                    closes=tuple(s.store for s in sources if id(s.store) not in given))
 
     def spec(self) -> PlanSpec:
         """What a worker process rebuilds this plan from (``plan_from_spec``)."""
         return PlanSpec(stores=tuple(s.store.open_args() for s in self.sources),
-                        weights=tuple(self.weights), config=self.config, dtype=self.dtype.name,
+                        mixture=self.mixture, config=self.config, dtype=self.dtype.name,
                         cache_dir=self.cache_dir, identities=tuple(self.identities))
 
     def new_buffers(self, batch_size: int) -> dict[str, np.ndarray]:
@@ -396,7 +403,7 @@ class BatchPlan:
         if self.schedule is None:
             sid, draws = np.zeros(len(pos), np.int64), pos
         else:
-            sid, draws = sampler.assign(self.schedule, pos)
+            sid, draws = sampler.assign_phased(self.schedule, pos)
         addr = np.empty(len(pos), np.int64)
         for s in np.unique(sid).tolist():
             sel = sid == s

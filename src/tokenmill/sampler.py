@@ -23,13 +23,16 @@ from tokenmill.errors import ConfigError
 
 __all__ = [
     "Permutation",
+    "Phases",
     "Schedule",
     "assign",
+    "assign_phased",
     "batch_positions",
     "epoch_of",
     "epoch_permutation",
     "hash_ints",
     "mixture_schedule",
+    "phased_schedule",
     "sample_ids",
     "split_epoch",
 ]
@@ -370,3 +373,83 @@ def assign(schedule: Schedule, positions: np.ndarray) -> tuple[np.ndarray, np.nd
     store = schedule.store_of[r].astype(np.int64)
     per_period = np.array(schedule.numerators, dtype=np.int64)
     return store, cycle * per_period[store] + schedule.rank_in_period[r]
+
+
+# ---------------------------------------------------------------------------------------------
+# mixture schedules that change at given global positions
+
+
+@dataclass(frozen=True, eq=False)
+class Phases:
+    """Mixture phases: from global position starts[i] on, schedules[i] mixes the stores
+    stores[i]; offsets[i, s] is how many draws store s had before phase i (its cursor).
+
+    phased_schedule([(0, [1, 0]), (4, [0, 1])]).offsets.tolist() == [[0, 0], [4, 0]]
+    """
+
+    starts: tuple[int, ...]
+    schedules: tuple[Schedule, ...]
+    stores: tuple[np.ndarray, ...]  # global store id of each schedule's local store
+    offsets: np.ndarray  # [phases, stores] draws of each store before each phase
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        """The first phase's achieved proportions, one per store (0 where it is not drawn)."""
+        out = [0.0] * self.offsets.shape[1]
+        for s, w in zip(self.stores[0].tolist(), self.schedules[0].weights):
+            out[s] = w
+        return tuple(out)
+
+
+def _draws_in(schedule: Schedule, n: int, num_stores: int, stores: np.ndarray) -> np.ndarray:
+    """Draws of every store in the first n positions of a schedule (stores: local → global)."""
+    cycles, rest = divmod(n, schedule.period)
+    local = np.array(schedule.numerators, dtype=np.int64) * cycles
+    local += np.bincount(schedule.store_of[:rest], minlength=len(schedule.numerators))
+    out = np.zeros(num_stores, dtype=np.int64)
+    out[stores] = local
+    return out
+
+
+def phased_schedule(phases: Sequence[tuple[int, Sequence[float]]]) -> Phases:
+    """The schedule of (first global position, weight per store) phases: sorted, the first at 0;
+    a weight of 0 leaves a store out of a phase, and each store's draws run on across phases.
+
+    assign_phased(phased_schedule([(0, [1, 0]), (2, [0, 1])]), np.arange(4))[1].tolist() == [0, 1, 0, 1]
+    """
+    starts = [operator.index(start) for start, _ in phases]
+    if not starts or starts[0] != 0 or any(a >= b for a, b in zip(starts, starts[1:])):
+        raise ConfigError(f"mixture phases must start at 0 and be in increasing order of their "
+                          f"first sample (got starts {starts})")
+    num_stores = len(phases[0][1])
+    schedules, stores = [], []
+    for i, (_, weights) in enumerate(phases):
+        w = [float(x) for x in weights]
+        if len(w) != num_stores or any(not math.isfinite(x) or x < 0 for x in w) or not any(w):
+            raise ConfigError(f"phase {i} (from sample {starts[i]:,}): weights must be finite, "
+                              f">= 0 and not all 0, one per store (got {w})")
+        ids = np.flatnonzero(np.array(w) > 0)
+        schedules.append(mixture_schedule([w[s] for s in ids]))
+        stores.append(ids)
+    offsets = np.zeros((len(starts), num_stores), dtype=np.int64)
+    for i in range(1, len(starts)):
+        offsets[i] = offsets[i - 1] + _draws_in(schedules[i - 1], starts[i] - starts[i - 1],
+                                                num_stores, stores[i - 1])
+    offsets.flags.writeable = False
+    return Phases(tuple(starts), tuple(schedules), tuple(stores), offsets)
+
+
+def assign_phased(phases: Phases, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(store id, index of that draw within its store) for each global position; O(log phases).
+
+    [a.tolist() for a in assign_phased(phased_schedule([(0, [1, 3])]), np.arange(3))] == [[1, 1, 0], [0, 1, 0]]
+    """
+    p = _check_positions(positions)
+    phase = np.searchsorted(np.array(phases.starts, dtype=np.int64), p, side="right") - 1
+    store, draw = np.empty_like(p), np.empty_like(p)
+    for i in np.unique(phase).tolist():
+        sel = phase == i
+        local, d = assign(phases.schedules[i], p[sel] - phases.starts[i])
+        store[sel] = phases.stores[i][local]
+        draw[sel] = d + phases.offsets[i][store[sel]]
+    return store, draw

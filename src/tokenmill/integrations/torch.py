@@ -48,7 +48,7 @@ from tokenmill import attention
 from tokenmill.errors import ConfigError
 from tokenmill.device import AheadOfLoader
 from tokenmill.loader import STATE_VERSION, Loader
-from tokenmill.plan import consumed_of
+from tokenmill.resume import consumed_from
 from tokenmill.store.reader import TokenStore
 
 __all__ = ["TokenDataset", "TorchBatches", "dense_document_mask", "document_mask",
@@ -215,7 +215,10 @@ def _loader_spec(loader: Loader) -> dict[str, Any]:
     names = [a["path"] for a in stores]
     if len(set(names)) != len(names):
         raise ConfigError(f"a TokenDataset mixture needs distinct store paths (got {names})")
+    named = loader.plan.mixture.named
     return {"stores": stores, "weights": tuple(loader.weights), "seq_len": loader.config.seq_len,
+            "names": loader.plan.mixture.names if named else None,
+            "mixture": loader.describe()["mixture"],
             "batch_size": loader.batch_size, "layout": loader.config.layout,
             "seed": loader.config.seed, "max_segments": loader.config.max_segments,
             "rank": loader.rank, "world_size": loader.world_size,
@@ -225,12 +228,14 @@ def _loader_spec(loader: Loader) -> dict[str, Any]:
 def _open_loader(spec: Mapping[str, Any]) -> Loader:
     """A Loader (inline: no workers of its own) over stores it opens from ``spec``; they are
     closed when the Loader is garbage-collected."""
-    settings = {k: v for k, v in spec.items() if k not in ("stores", "weights")}
+    settings = {k: v for k, v in spec.items() if k not in ("stores", "weights", "names")}
     stores = []
     try:
         for args in spec["stores"]:
             stores.append(TokenStore(**args))
-        loader = Loader(dict(zip(stores, spec["weights"])), **settings, num_workers=0)
+        source = dict(zip(spec["names"], stores)) if spec["names"] else \
+            dict(zip(stores, spec["weights"]))
+        loader = Loader(source, **settings, num_workers=0)
     except BaseException:
         _close_all(stores)
         raise
@@ -259,6 +264,7 @@ class TokenDataset(IterableDataset):
         super().__init__()
         self._spec = _loader_spec(loader)
         self.fingerprint = loader.fingerprint
+        self._stream = loader.describe()  # what the stream depends on, for explained resumes
         self.global_batch_size = loader.global_batch_size
         self.total_steps = loader.total_steps
         self._start = loader.consumed_samples  # where a pass starts …
@@ -303,14 +309,15 @@ class TokenDataset(IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         """Where this copy's next step starts (see the class docstring)."""
         state = {"version": STATE_VERSION, "fingerprint": self.fingerprint,
-                 "consumed_samples": int(self._first() if self._next is None else self._next)}
+                 "consumed_samples": int(self._first() if self._next is None else self._next),
+                 "stream": self._stream}
         if (info := get_worker_info()) is not None:
             state.update(worker=info.id, num_workers=info.num_workers)
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Start the next pass at ``state``: a Loader's or TokenDataset's, or one worker's own."""
-        consumed = consumed_of(state, self.fingerprint, what="dataset")
+        consumed = consumed_from(state, self._stream, self.fingerprint)
         own = "worker" in state
         if own:
             info = get_worker_info()

@@ -1,0 +1,115 @@
+"""A resume that explains itself: what a saved state's stream depended on, against a loader's.
+
+A Loader's ``state_dict()`` carries, next to ``consumed_samples`` and the fingerprint, a small
+``"stream"`` record (store names and fingerprints, layout, seq_len, seed, weights or mixture
+phases, batch size, world size, workers). ``differences`` compares two records and says which
+changes are safe — batch size, world size, workers, mixture phases that start at or after the
+checkpoint — and which are not::
+
+    differences({"seq_len": 2048}, {"seq_len": 4096}, 0) == [Difference("seq_len 2048 → 4096", False)]
+
+``consumed_from`` is the Loader's ``load_state_dict`` check: a state without the record (the
+three-key form) is checked by its fingerprint alone, as before.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Mapping, NamedTuple
+
+from tokenmill.errors import ConfigError
+from tokenmill.plan import consumed_of
+
+__all__ = ["Difference", "consumed_from", "differences", "explain"]
+
+UNSAFE_KEYS = ("layout", "seq_len", "seed", "max_segments", "weights")
+SAFE_KEYS = ("batch_size", "world_size", "num_workers")
+
+
+class Difference(NamedTuple):
+    """One way the saved stream and this loader's differ, and whether resuming stays exact."""
+
+    what: str
+    safe: bool
+
+
+def _short(fingerprint: Any) -> str:
+    return f"{str(fingerprint)[:12]}…"
+
+
+def _stores(saved: list, now: list) -> list[Difference]:
+    saved_names, now_names = [s[0] for s in saved], [s[0] for s in now]
+    if saved_names != now_names:
+        return [Difference(f"stores {saved_names} → {now_names}", False)]
+    return [Difference(f"store {a[0]!r} was re-prepared: fingerprint {_short(a[1])} → "
+                       f"{_short(b[1])}", False)
+            for a, b in zip(saved, now) if a[1] != b[1]]
+
+
+def _phases(saved: list, now: list, consumed: int) -> list[Difference]:
+    """Phase edits: safe when the phase starts at or after ``consumed``, refused otherwise."""
+    old = {int(start): dict(w) for start, w in saved}
+    new = {int(start): dict(w) for start, w in now}
+    order = {s: i for i, s in enumerate(sorted(old))} | {s: i for i, s in enumerate(sorted(new))}
+    out = []
+    for start in sorted(old.keys() | new.keys()):
+        o, n = old.get(start), new.get(start)
+        if o == n:
+            continue
+        name = f"phase {order[start]} (from sample {start:,})"
+        change = ("was added" if o is None else "was removed" if n is None
+                  else f"changed {o} → {n}")
+        if start < consumed:
+            out.append(Difference(f"{name} {change}, but the run has consumed {consumed:,} "
+                                  "samples, past its start: only phases that start after the "
+                                  "checkpoint may change", False))
+        else:
+            out.append(Difference(f"{name} {change} (starts after the checkpoint)", True))
+    return out
+
+
+def differences(saved: Mapping[str, Any], now: Mapping[str, Any],
+                consumed: int) -> list[Difference]:
+    """Every difference between a saved stream record and a loader's, unsafe ones first."""
+    out = []
+    if "stores" in saved and saved.get("stores") != now.get("stores"):
+        out += _stores(list(saved["stores"]), list(now.get("stores") or []))
+    for key in UNSAFE_KEYS + SAFE_KEYS:
+        if key in saved and saved.get(key) != now.get(key):
+            out.append(Difference(f"{key} {saved.get(key)} → {now.get(key)}", key in SAFE_KEYS))
+    was, new = saved.get("mixture"), now.get("mixture")
+    if "mixture" in saved and (was is None) != (new is None):
+        out.append(Difference(f"mixture schedule {was} → {new}", False))
+    elif was is not None and was != new:
+        out += _phases(was, new, consumed)
+    return sorted(out, key=lambda d: d.safe)
+
+
+def explain(diffs: list[Difference]) -> str:
+    """The differences as one message: what makes the resume inexact, then what is safe."""
+    unsafe = [d.what for d in diffs if not d.safe]
+    safe = [d.what for d in diffs if d.safe]
+    parts = []
+    if unsafe:
+        parts.append("this loader's stream differs from the saved run's: " + "; ".join(unsafe))
+    if safe:
+        parts.append("safe to change: " + "; ".join(safe))
+    return ". ".join(parts) if parts else "the loader matches the saved state"
+
+
+def consumed_from(state: Mapping[str, Any], stream: Mapping[str, Any], fingerprint: str) -> int:
+    """``consumed_samples`` of ``state`` if this loader (``stream``, ``fingerprint``) continues it
+    exactly; else ConfigError saying what differs and what would have been safe."""
+    saved = state.get("stream") if isinstance(state, Mapping) else None
+    if isinstance(saved, Mapping):
+        consumed = state.get("consumed_samples")
+        try:
+            at = max(0, operator.index(consumed))
+        except TypeError:
+            at = 0  # consumed_of below says what is wrong with it
+        diffs = differences(saved, stream, at)
+        if any(not d.safe for d in diffs):
+            raise ConfigError(f"cannot resume from this state: {explain(diffs)} (loader state "
+                              f"fingerprint {state.get('fingerprint')!r}, this loader's "
+                              f"{fingerprint!r})")
+    return consumed_of(state, fingerprint)
