@@ -1,5 +1,5 @@
 """The command line: ``tokenmill prepare | inspect | verify | import-megatron | export | bench |
-plan | demo``.
+plan | resume-check | demo``.
 
 An ordinary failure is one line on stderr and an exit code, never a traceback:
 
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                "memory-mapped store, load exact batches.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (add_prepare, add_inspect, add_verify, add_import_megatron, add_export, add_bench,
-                add_plan, add_demo):
+                add_plan, add_resume_check, add_demo):
         add(sub)
     return p
 
@@ -238,6 +238,22 @@ def add_plan(sub) -> None:
                     "(required with --layout packed)")
 
 
+def add_resume_check(sub) -> None:
+    """``tokenmill resume-check``."""
+    pr = subcommand(sub, "resume-check", run_resume_check,
+                    "say whether a saved loader state resumes exactly on these stores and settings")
+    pr.add_argument("state", help="a Loader's state_dict() saved as JSON")
+    pr.add_argument("stores", nargs="+", help="STORE, or NAME=STORE for named stores (in order)")
+    pr.add_argument("--seq-len", type=int, required=True)
+    pr.add_argument("--batch-size", type=int, required=True)
+    pr.add_argument("--layout", choices=["concat", "packed"], default="concat")
+    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--world-size", type=int, default=1)
+    pr.add_argument("--max-segments", type=int, default=None)
+    pr.add_argument("--mixture", default=None, help="named stores: the phases as JSON, "
+                    "[[0, {\"web\": 0.9, \"code\": 0.1}], …] (default: the state's)")
+
+
 def add_demo(sub) -> None:
     """``tokenmill demo``."""
     pd = subcommand(sub, "demo", run_demo, "the end-to-end demo on built-in data")
@@ -337,6 +353,42 @@ def run_plan(args) -> int:
         print(f"packed layout  {plan['packed_layout'] / 2**20:10.2f} MiB  ({docs:,} documents)")
     print(f"total          {plan['total'] / 2**20:10.2f} MiB  (prefetch=\"auto\" grows within "
           f"{PREFETCH_MEMORY_BUDGET / 2**30:.0f} GiB)")
+    return 0
+
+
+def _resume_source(stores: list[str], saved: dict, mixture: str | None):
+    """The Loader source and mixture= of ``resume-check``'s store arguments."""
+    named = [s.partition("=") for s in stores]
+    if all(sep for _, sep, _ in named):
+        phases = json.loads(mixture) if mixture is not None else saved.get("mixture")
+        if phases is None:
+            raise ConfigError("named stores need the mixture phases: pass --mixture, or a state "
+                              "saved by a loader with mixture=")
+        return {name: path for name, _, path in named}, phases
+    weights = saved.get("weights") or []
+    if len(weights) != len(stores):
+        weights = [1.0] * len(stores)
+    return (stores[0] if len(stores) == 1 else dict(zip(stores, weights))), None
+
+
+def run_resume_check(args) -> int:
+    """Print how a saved state and a loader over these stores differ; 0 if it resumes exactly."""
+    from tokenmill.loader import Loader
+    state = json.loads(Path(args.state).read_text(encoding="utf-8"))
+    saved = state.get("stream") or {} if isinstance(state, dict) else {}
+    source, mixture = _resume_source(args.stores, saved, args.mixture)
+    with Loader(source, seq_len=args.seq_len, batch_size=args.batch_size, layout=args.layout,
+                seed=args.seed, rank=0, world_size=args.world_size, num_workers=0,
+                max_segments=args.max_segments, mixture=mixture) as loader:
+        diffs = loader.resume_report(state)
+        for d in diffs:
+            print(f"{'safe' if d.safe else 'NOT SAFE':9} {d.what}")
+        try:
+            loader.load_state_dict(state)
+        except ConfigError as e:
+            print(f"does not resume exactly: {e}")
+            return FAILED_EXIT
+    print(f"resumes exactly at consumed_samples={state['consumed_samples']:,}")
     return 0
 
 
