@@ -26,7 +26,8 @@ def test_readme_example_runs_as_a_script(tmp_path):
     out = r.stdout
     assert "step 100 |" in out and "tok/s" in out and "data wait" in out
     assert "'consumed_samples': 2400" in out
-    state = re.findall(r"^\{'version': 1, 'consumed_samples': 2400, 'fingerprint': '[0-9a-f]+'\}$",
+    state = re.findall(r"^\{'version': 1, 'consumed_samples': 2400, 'fingerprint': '[0-9a-f]+', "
+                       r"'stream': \{'stores': \[\['store', '[0-9a-f]+'\]\].*\}\}$",
                        out, re.M)
     assert len(state) == 1, out  # the state dict, printed once, as the comment says
     assert (tmp_path / "store" / "manifest.json").is_file()

@@ -212,3 +212,9 @@ def test_resume_in_a_fresh_process(stores, tmp_path):
                    check=True)
     got = np.load(tmp_path / "out.npy")
     assert np.array_equal(got, np.stack([b["inputs"] for b in ref]))
+
+
+def test_the_guide_runs(tmp_path):
+    from conftest import run_guide
+    done = run_guide("mixing.md", tmp_path)
+    assert "phase 1 (from sample 160) changed" in done.stdout

@@ -1,7 +1,8 @@
 """Loader: batches as a pure function of the step, assembled ahead by workers, exactly resumable.
 
 What batch k holds is ``plan.batch_at`` (the pure plan: stores, layout, seed, rank slices). This
-module adds the state — ``consumed_samples``, so ``state_dict()`` is three numbers — and the
+module adds the state — ``consumed_samples``, so ``state_dict()`` is a number, a fingerprint and a
+small record of what the stream depends on (``describe()``, for ``resume``'s explanations) — and the
 machinery that makes it fast: batches are computed ``prefetch`` steps ahead by thread or process
 workers (``num_workers`` never changes the output) and filled in place into a small ring of
 preallocated buffers; a buffer is reused only when nothing outside the loader still references
@@ -151,7 +152,8 @@ class Loader:
     ``for batch in Loader("store/", seq_len=2048, batch_size=8): ...``; batch k is the same for
     any num_workers, and ``load_state_dict(state_dict())`` resumes bit for bit. Less common
     settings are keywords too (``LoaderOptions``: prefetch, epochs, dtype, worker_type,
-    cache_dir).
+    cache_dir, max_segments, mixture). Named stores with ``mixture=[(0, {"web": 0.9, "code": 0.1}),
+    (80_000, {…})]`` change the mix at those global samples (docs/mixing.md).
 
     One live iterator: ``iter(loader)`` continues from ``consumed_samples``, and an iterator made
     before the last ``iter()``, ``load_state_dict()`` or ``close()`` raises ``StaleIterator`` at

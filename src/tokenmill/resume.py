@@ -109,7 +109,8 @@ def consumed_from(state: Mapping[str, Any], stream: Mapping[str, Any], fingerpri
             at = 0  # consumed_of below says what is wrong with it
         diffs = differences(saved, stream, at)
         if any(not d.safe for d in diffs):
-            raise ConfigError(f"cannot resume from this state: {explain(diffs)} (loader state "
-                              f"fingerprint {state.get('fingerprint')!r}, this loader's "
-                              f"{fingerprint!r})")
+            was = state.get("fingerprint")
+            also = "" if was == fingerprint else \
+                f" (loader state fingerprint {was!r}, this loader's {fingerprint!r})"
+            raise ConfigError(f"cannot resume from this state: {explain(diffs)}{also}")
     return consumed_of(state, fingerprint)

@@ -255,7 +255,7 @@ class TokenDataset(IterableDataset):
     stream equals ``loader``'s for any num_workers. Each pass (each ``for`` over the DataLoader)
     starts where the dataset stands: at the loader's position when wrapped, or at a loaded state.
 
-    state_dict(): ``{"version", "consumed_samples", "fingerprint"}`` as the Loader's; inside a
+    state_dict(): ``{"version", "consumed_samples", "fingerprint", "stream"}`` as the Loader's; inside a
     DataLoader worker it also holds ``worker`` and ``num_workers``, and ``consumed_samples`` is
     where that worker's next step starts (StatefulDataLoader keeps one such state per worker).
     """
