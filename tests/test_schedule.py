@@ -218,3 +218,21 @@ def test_the_guide_runs(tmp_path):
     from conftest import run_guide
     done = run_guide("mixing.md", tmp_path)
     assert "phase 1 (from sample 160) changed" in done.stdout
+
+
+def test_process_workers_and_the_torch_dataset_follow_the_schedule(stores):
+    ref = stream(stores, steps=30)
+    with Loader(stores, seq_len=L, batch_size=B, seed=7, num_workers=2, worker_type="process",
+                mixture=PHASES) as ld:
+        assert same(take(ld, 30), ref)
+    pytest.importorskip("torch")
+    from tokenmill.integrations.torch import TokenDataset
+    with make(stores) as ld:
+        take(ld, 12)
+        ds = TokenDataset(ld)
+        assert ds.state_dict() == ld.state_dict()
+        assert same(take(ds, 18), ref[12:])
+        with make(stores, mixture=[PHASES[0], (50, PHASES[1][1])]) as edited:
+            other = TokenDataset(edited)
+            with pytest.raises(ConfigError, match=r"phase 1 \(from sample 40\) was removed"):
+                other.load_state_dict(ld.state_dict())
