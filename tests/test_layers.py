@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tokenmill.integrations.ray",),
     ("tokenmill.prepare",),
     ("tokenmill.plan",),
-    ("tokenmill.resume",),
+    ("tokenmill.resume", "tokenmill.provenance"),
     ("tokenmill.streaming.*",),
     ("tokenmill.streaming",),
     ("tokenmill.workers",),

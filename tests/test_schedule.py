@@ -236,3 +236,33 @@ def test_process_workers_and_the_torch_dataset_follow_the_schedule(stores):
             other = TokenDataset(edited)
             with pytest.raises(ConfigError, match=r"phase 1 \(from sample 40\) was removed"):
                 other.load_state_dict(ld.state_dict())
+
+
+@pytest.mark.parametrize("layout", ["concat", "packed"])
+def test_explain_names_the_document_pieces_of_every_row(stores, layout, capsys):
+    from tokenmill.store import TokenStore
+    with make(stores, layout=layout, rank=1, world_size=2) as ld:
+        opened = [TokenStore(p) for p in stores.values()]
+        for step in (0, 9, 10, 24, 25, 40):  # before, at and after phase boundaries
+            batch = ld.batch_at(step * B)
+            for o in ld.explain(step):
+                s = NAMES.index(o.store)
+                assert o.position == step * B + B // 2 + o.row and o.draw >= 0
+                row = np.append(batch["inputs"][o.row], batch["targets"][o.row][-1])
+                got = np.concatenate([opened[s][p.document][p.token_offset:
+                                                             p.token_offset + p.tokens]
+                                      for p in o.pieces])
+                assert np.array_equal(got, row[:len(got)]), (step, o)
+                n = int(batch["loss_mask"][o.row].sum()) + len(o.pieces) if layout == "packed" \
+                    else L + 1
+                assert len(got) == n
+                for p in o.pieces:
+                    assert opened[s].shard_doc_starts[p.shard] + p.shard_document == p.document
+                    assert p.source == "source unknown"
+        for st in opened:
+            st.close()
+    named = [f"{n}={p}" for n, p in stores.items()]
+    assert main(["explain", *named, "--step", "25", "--seq-len", str(L), "--batch-size",
+                 str(B), "--seed", "7", "--layout", layout, "--mixture",
+                 json.dumps(PHASES)]) == 0
+    assert "row 0  sample 100  store " in capsys.readouterr().out

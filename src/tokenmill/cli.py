@@ -1,5 +1,5 @@
 """The command line: ``tokenmill prepare | inspect | verify | import-megatron | export | bench |
-plan | resume-check | demo``.
+plan | resume-check | explain | demo``.
 
 An ordinary failure is one line on stderr and an exit code, never a traceback:
 
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                "memory-mapped store, load exact batches.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (add_prepare, add_inspect, add_verify, add_import_megatron, add_export, add_bench,
-                add_plan, add_resume_check, add_demo):
+                add_plan, add_resume_check, add_explain, add_demo):
         add(sub)
     return p
 
@@ -254,6 +254,21 @@ def add_resume_check(sub) -> None:
                     "[[0, {\"web\": 0.9, \"code\": 0.1}], …] (default: the state's)")
 
 
+def add_explain(sub) -> None:
+    """``tokenmill explain``."""
+    pe = subcommand(sub, "explain", run_explain,
+                    "where each row of a step came from: store, shard, document, token offset")
+    pe.add_argument("stores", nargs="+", help="STORE, or NAME=STORE for named stores (in order)")
+    pe.add_argument("--step", type=int, required=True)
+    pe.add_argument("--seq-len", type=int, required=True)
+    pe.add_argument("--batch-size", type=int, required=True)
+    pe.add_argument("--layout", choices=["concat", "packed"], default="concat")
+    pe.add_argument("--seed", type=int, default=0)
+    pe.add_argument("--rank", type=int, default=0)
+    pe.add_argument("--world-size", type=int, default=1)
+    pe.add_argument("--mixture", default=None, help="named stores: the phases as JSON")
+
+
 def add_demo(sub) -> None:
     """``tokenmill demo``."""
     pd = subcommand(sub, "demo", run_demo, "the end-to-end demo on built-in data")
@@ -389,6 +404,21 @@ def run_resume_check(args) -> int:
             print(f"does not resume exactly: {e}")
             return FAILED_EXIT
     print(f"resumes exactly at consumed_samples={state['consumed_samples']:,}")
+    return 0
+
+
+def run_explain(args) -> int:
+    """Print the origin of every row of one step, one document piece a line."""
+    from tokenmill.loader import Loader
+    source, mixture = _resume_source(args.stores, {"mixture": None}, args.mixture)
+    with Loader(source, seq_len=args.seq_len, batch_size=args.batch_size, layout=args.layout,
+                seed=args.seed, rank=args.rank, world_size=args.world_size, num_workers=0,
+                mixture=mixture) as loader:
+        for o in loader.explain(args.step):
+            for p in o.pieces:
+                print(f"row {o.row}  sample {o.position:,}  store {o.store}  draw {o.draw:,}  "
+                      f"shard {p.shard}  document {p.document:,} ({p.shard_document:,} in its "
+                      f"shard)  tokens {p.token_offset:,}+{p.tokens}  {p.source}")
     return 0
 
 

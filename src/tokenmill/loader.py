@@ -31,6 +31,7 @@ from tokenmill.plan import (STATE_VERSION, BatchPlan, LayoutConfig, batch_at, gl
                             resolve_rank)
 from tokenmill.mixture import described_phases
 from tokenmill.procs import usable_cores
+from tokenmill.provenance import RowOrigin, explain_positions
 from tokenmill.resume import Difference, consumed_from, differences
 from tokenmill.store.reader import TokenStore
 from tokenmill.streaming import open_stream
@@ -245,6 +246,11 @@ class Loader:
         """The batch of the step starting at global sample ``consumed`` (pure; for tests/tools)."""
         return batch_at(self.plan, consumed, batch_size=self.batch_size, rank=self.rank,
                         world_size=self.world_size, out=out)
+
+    def explain(self, step: int) -> list[RowOrigin]:
+        """Where each row of this rank's batch at ``step`` (of this loader's batch size) came from:
+        store, draw, and per document piece the shard, document number and token offset."""
+        return explain_positions(self.plan, self.positions(step * self.global_batch_size))
 
     def _remaining(self) -> int | None:
         if self.epochs is None:
