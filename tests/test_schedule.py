@@ -266,3 +266,16 @@ def test_explain_names_the_document_pieces_of_every_row(stores, layout, capsys):
                  str(B), "--seed", "7", "--layout", layout, "--mixture",
                  json.dumps(PHASES)]) == 0
     assert "row 0  sample 100  store " in capsys.readouterr().out
+
+
+def test_the_same_weights_spelled_otherwise_are_the_same_phase(stores):
+    with make(stores) as a:
+        take(a, 15)
+        state = a.state_dict()
+    state["consumed_samples"] = np.int64(state["consumed_samples"])  # numpy ints are fine
+    scaled = [(s, {n: 10 * w for n, w in ws.items()}) for s, ws in PHASES]
+    with make(stores, mixture=scaled) as b:
+        assert b.resume_report(state) == []
+        b.load_state_dict(state)
+    with make(stores, mixture=[PHASES[0], (40, {"web": 0.5, "code": 0.5})]) as b:
+        assert [d.safe for d in b.resume_report(state)] == [False, True]

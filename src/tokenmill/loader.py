@@ -32,7 +32,7 @@ from tokenmill.plan import (STATE_VERSION, BatchPlan, LayoutConfig, batch_at, gl
 from tokenmill.mixture import described_phases
 from tokenmill.procs import usable_cores
 from tokenmill.provenance import RowOrigin, explain_positions
-from tokenmill.resume import Difference, consumed_from, differences
+from tokenmill.resume import Difference, consumed_from, report
 from tokenmill.store.reader import TokenStore
 from tokenmill.streaming import open_stream
 from tokenmill.workers import ProcessPool
@@ -396,15 +396,7 @@ class Loader:
     def resume_report(self, state: Mapping[str, Any]) -> list[Difference]:
         """How ``state`` and this loader differ (``Difference(what, safe)``, unsafe first); a
         three-key state without a record is compared by fingerprint alone."""
-        saved = state.get("stream")
-        if isinstance(saved, Mapping):
-            consumed = state.get("consumed_samples")
-            return differences(saved, self.describe(), consumed if isinstance(consumed, int) else 0)
-        if state.get("fingerprint") != self.fingerprint:
-            return [Difference(f"fingerprint {state.get('fingerprint')} → {self.fingerprint} (the "
-                               "state records no more: stores, seq_len, layout, seed or weights)",
-                               False)]
-        return []
+        return report(state, self.describe(), self.fingerprint)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state``; refuses a state from other stores or another layout/seed, a

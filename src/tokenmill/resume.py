@@ -17,10 +17,11 @@ from __future__ import annotations
 import operator
 from typing import Any, Mapping, NamedTuple
 
+from tokenmill import sampler
 from tokenmill.errors import ConfigError
 from tokenmill.plan import consumed_of
 
-__all__ = ["Difference", "consumed_from", "differences", "explain"]
+__all__ = ["Difference", "consumed_from", "differences", "explain", "report"]
 
 UNSAFE_KEYS = ("layout", "seq_len", "seed", "max_segments", "weights")
 SAFE_KEYS = ("batch_size", "world_size", "num_workers")
@@ -46,6 +47,15 @@ def _stores(saved: list, now: list) -> list[Difference]:
             for a, b in zip(saved, now) if a[1] != b[1]]
 
 
+def _canonical(weights: Mapping[str, float]) -> tuple:
+    """What a phase's weights draw: the stores in it and their rationalized numerators
+    ({"a": 0.9, "b": 0.1} and {"a": 9, "b": 1} are the same phase)."""
+    names = sorted(n for n, w in weights.items() if w > 0)
+    if not names:
+        return ()
+    return tuple(names), sampler.mixture_schedule([weights[n] for n in names]).numerators
+
+
 def _phases(saved: list, now: list, consumed: int) -> list[Difference]:
     """Phase edits: safe when the phase starts at or after ``consumed``, refused otherwise."""
     old = {int(start): dict(w) for start, w in saved}
@@ -54,7 +64,7 @@ def _phases(saved: list, now: list, consumed: int) -> list[Difference]:
     out = []
     for start in sorted(old.keys() | new.keys()):
         o, n = old.get(start), new.get(start)
-        if o == n:
+        if o == n or (o is not None and n is not None and _canonical(o) == _canonical(n)):
             continue
         name = f"phase {order[start]} (from sample {start:,})"
         change = ("was added" if o is None else "was removed" if n is None
@@ -97,17 +107,30 @@ def explain(diffs: list[Difference]) -> str:
     return ". ".join(parts) if parts else "the loader matches the saved state"
 
 
+def report(state: Mapping[str, Any], stream: Mapping[str, Any],
+           fingerprint: str) -> list[Difference]:
+    """How a saved ``state`` and a loader (``stream``, ``fingerprint``) differ, unsafe first; a
+    state without a ``stream`` record (the three-key form) by its fingerprint alone."""
+    saved = state.get("stream") if isinstance(state, Mapping) else None
+    if not isinstance(saved, Mapping):
+        was = state.get("fingerprint") if isinstance(state, Mapping) else None
+        if was == fingerprint:
+            return []
+        return [Difference(f"fingerprint {was} → {fingerprint} (the state records no more: the "
+                           "stores, seq_len, layout, seed or weights differ)", False)]
+    try:
+        at = max(0, operator.index(state.get("consumed_samples")))
+    except TypeError:
+        at = 0  # consumed_of says what is wrong with it
+    return differences(saved, stream, at)
+
+
 def consumed_from(state: Mapping[str, Any], stream: Mapping[str, Any], fingerprint: str) -> int:
     """``consumed_samples`` of ``state`` if this loader (``stream``, ``fingerprint``) continues it
     exactly; else ConfigError saying what differs and what would have been safe."""
     saved = state.get("stream") if isinstance(state, Mapping) else None
     if isinstance(saved, Mapping):
-        consumed = state.get("consumed_samples")
-        try:
-            at = max(0, operator.index(consumed))
-        except TypeError:
-            at = 0  # consumed_of below says what is wrong with it
-        diffs = differences(saved, stream, at)
+        diffs = report(state, stream, fingerprint)
         if any(not d.safe for d in diffs):
             was = state.get("fingerprint")
             also = "" if was == fingerprint else \
