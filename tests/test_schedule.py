@@ -146,6 +146,10 @@ def test_spelling_is_checked_at_the_door(stores):
             make(stores, mixture=bad)
     with pytest.raises(ConfigError, match="named stores"):
         Loader(stores["web"], seq_len=L, batch_size=B, mixture=PHASES)
+    with pytest.raises(ConfigError, match="needs mixture="):
+        Loader(stores, seq_len=L, batch_size=B)
+    with pytest.raises(ConfigError, match="maps names to stores"):
+        Loader({"web": 0.5, "code": 0.5}, seq_len=L, batch_size=B, mixture=PHASES)
 
 
 def test_a_resume_says_what_differs_and_what_is_safe(stores, tmp_path):

@@ -48,6 +48,10 @@ def mixture_of(source, mixture: Sequence | None = None) -> tuple[Mixture, list]:
         if not items:
             raise ConfigError("a mixture needs at least one store (got an empty mapping)")
         for s, w in items:
+            if isinstance(w, (str, bytes)) or hasattr(w, "__fspath__") or hasattr(w, "manifest"):
+                raise ConfigError(f"{{name: store}} needs mixture=[(0, {{{s!r}: 1.0, …}}), …] "
+                                  f"(got {s!r}: {_name_of(w)!r} without mixture=); a "
+                                  "{store: weight} mixture maps stores to numbers")
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) \
                     or w <= 0:
                 raise ConfigError(f"mixture weights must be finite and > 0 (got {w!r} for {s})")
@@ -60,6 +64,10 @@ def mixture_of(source, mixture: Sequence | None = None) -> tuple[Mixture, list]:
                           f"'stores/code'}}, mixture=[(0, {{'web': 0.9, 'code': 0.1}})]) (got "
                           f"{_name_of(source) if not isinstance(source, Mapping) else source!r})")
     names = tuple(source)
+    for name, store in source.items():
+        if isinstance(store, (int, float)):
+            raise ConfigError(f"with mixture=, the dict maps names to stores (got {name!r}: "
+                              f"{store!r}); weights go in the phases")
     return Mixture(names, _phases(names, mixture), True), list(source.values())
 
 
