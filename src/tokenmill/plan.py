@@ -335,7 +335,7 @@ class BatchPlan:
     def __init__(self, sources: list[SampleSource], mix: Mixture | list[float], dtype: np.dtype,
                  *, cache_dir: str | os.PathLike | None = None, closes: tuple = ()):
         if not isinstance(mix, Mixture):  # plain weights, one per source
-            mix = Mixture(tuple(identity_of(s.store).where for s in sources),
+            mix = Mixture(tuple(redact(str(s.store.path)) for s in sources),
                           ((0, tuple(float(w) for w in mix)),), False)
         self.sources, self.mixture, self.weights = sources, mix, list(mix.weights)
         self.schedule = sampler.phased_schedule(mix.phases) if len(sources) > 1 else None
