@@ -79,3 +79,15 @@ def test_the_meter_and_stats_say_which_mode_and_why(store, monkeypatch):
     with Loader(store, seq_len=L, batch_size=4, num_workers=0) as ld:
         assert ld.stats() == {"mode": "inline", "why": "num_workers=0 given", "workers": 0,
                               "worker_type": "thread", "prefetch": ld.prefetch}
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
+def test_default_with_process_workers_goes_ahead_with_the_same_batches(store, monkeypatch):
+    monkeypatch.setattr(pacing, "HANDOFF_S", 0.0)
+    monkeypatch.setattr(pacing, "WAIT_FRACTION", 0.0)
+    with Loader(store, seq_len=L, batch_size=4, num_workers=0) as ref:
+        want = take(ref, 30)
+    with Loader(store, seq_len=L, batch_size=4, worker_type="process") as ld:
+        got = take(ld, 30)
+        assert same(got, want) and ld.stats()["mode"] == "ahead"
+        assert ld.stats()["worker_type"] == "process"
