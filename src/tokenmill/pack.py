@@ -42,6 +42,7 @@ import xxhash
 
 from tokenmill.errors import ConfigError
 from tokenmill.sampler import exclusive_cumsum, hash_ints, ranges
+from tokenmill.segments import fill_metadata
 
 __all__ = [
     "PackedLayout",
@@ -309,7 +310,9 @@ def fill_packed_rows(layout: PackedLayout, row_ids: np.ndarray, tokens: Tokens,
     if row_ids.size and (row_ids.min() < 0 or row_ids.max() >= layout.num_rows):
         raise ConfigError(f"row ids must be in [0, {layout.num_rows}) (got min {row_ids.min()}, "
                           f"max {row_ids.max()})")
-    dest = np.arange(len(row_ids)) if rows is None else np.asarray(rows, dtype=np.int64).ravel()
+    dest = slice(0, len(row_ids)) if rows is None else np.asarray(rows, dtype=np.int64).ravel()
+    if not isinstance(dest, slice) and np.array_equal(dest, np.arange(len(row_ids))):
+        dest = slice(0, len(row_ids))  # a slice assigns faster than an index array
     b, capacity = len(row_ids), layout.capacity
     first = layout.row_ptr[row_ids]
     n_segs = layout.row_ptr[row_ids + 1] - first
@@ -330,19 +333,7 @@ def fill_packed_rows(layout: PackedLayout, row_ids: np.ndarray, tokens: Tokens,
     out["targets"][dest] = buf[:, 1:]
     if not {"segment_ids", "positions", "loss_mask"} & out.keys():
         return
-    seg_no = np.arange(len(seg), dtype=np.int32) - np.repeat(
-        exclusive_cumsum(n_segs).astype(np.int32), n_segs) + 1  # 1-based, within its row
-    segment_ids = _placed(np.repeat(seg_no, seg_len), flat, b * capacity,
-                          np.int32).reshape(b, capacity)
-    if "segment_ids" in out:
-        out["segment_ids"][dest] = segment_ids[:, :-1]
-    if "positions" in out:
-        pos = np.arange(total, dtype=np.int32) - np.repeat(tok_before.astype(np.int32), seg_len)
-        out["positions"][dest] = _placed(pos, flat, b * capacity,
-                                         np.int32).reshape(b, capacity)[:, :-1]
-    if "loss_mask" in out:
-        same = (segment_ids[:, :-1] == segment_ids[:, 1:]) & (segment_ids[:, :-1] != 0)
-        out["loss_mask"][dest] = same
+    fill_metadata(out, dest, (b, capacity), row_of * capacity + in_row, seg_len, in_row > 0)
 
 
 def _reads(read: Callable[[int, int], np.ndarray]) -> Gather:

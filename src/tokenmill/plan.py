@@ -192,11 +192,16 @@ class SampleSource:
         shard = np.searchsorted(bounds, starts, side="right") - 1
         local = starts - bounds[shard]
         out = np.empty(int(lengths.sum()), self.store.dtype)
-        if len(starts) <= self.SLICE_SEGMENTS or \
-                np.any(local + lengths > bounds[shard + 1] - bounds[shard]):  # crosses a shard
+        if np.any(local + lengths > bounds[shard + 1] - bounds[shard]):  # crosses a shard end
             at = 0
             for s, n in zip(starts.tolist(), lengths.tolist()):
                 self.store.copy_tokens(s, out[at:at + n])
+                at += n
+            return out
+        if len(starts) <= self.SLICE_SEGMENTS:
+            at, shard_of = 0, self.store.shard
+            for k, s, n in zip(shard.tolist(), local.tolist(), lengths.tolist()):
+                out[at:at + n] = shard_of(k)[s:s + n]  # looked up per range: maps are bounded
                 at += n
             return out
         at = np.zeros(len(lengths), np.int64)
