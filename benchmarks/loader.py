@@ -126,7 +126,7 @@ def table(results: dict, cache: str) -> list[str]:
     lines = [f"\npage cache {cache} (medians of {len(results[('bare', cache)])} fresh processes)",
              "| loader | M tokens/s | × bare | wait @20 ms | slowdown @20 ms | wait @2 ms | "
              "slowdown @2 ms | mode (20 / 2 ms) |", "|---|---|---|---|---|---|---|---|"]
-    for name in CONTENDERS:
+    for name in [n for n in CONTENDERS if (n, cache) in results]:
         rs = [r for r in results[(name, cache)] if "error" not in r]
         if not rs:
             lines.append(f"| {LABELS[name]} | error: {results[(name, cache)][0]['error']} |")
@@ -149,6 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=1.5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--caches", default="warm,cold")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "tokenmill-bench"),
                     help="where the packed layout is cached (the store may be read-only)")
     ap.add_argument("--json", default=None)
@@ -164,10 +165,11 @@ def main(argv=None) -> int:
           f"{platform.python_version()}, numpy {np.__version__}; store {args.store}: "
           f"{m['num_tokens']:,} tokens, {len(m['shards'])} shards, {m['dtype']}")
     caches = args.caches.split(",")
-    results = {(n, c): [] for n in CONTENDERS for c in caches}
+    names = args.contenders.split(",")
+    results = {(n, c): [] for n in names for c in caches}
     for r in range(args.repeats):  # interleaved rounds
         for cache in caches:
-            for name in CONTENDERS:
+            for name in names:
                 results[(name, cache)].append(run_child(args, name, cache))
                 print(f"round {r + 1} {cache} {name}: {results[(name, cache)][-1]}",
                       file=sys.stderr, flush=True)

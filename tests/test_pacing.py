@@ -39,6 +39,13 @@ def test_costly_batches_move_ahead_after_a_few_then_back_after_a_cheap_window():
     assert p.mode == "inline" and p.switches == 2 and p.stats()["mode"] == "inline"
 
 
+def test_no_step_to_hide_behind_stays_inline():
+    p = Pacer()
+    for _ in range(100):  # a loop that only draws batches: a hand-off would only add cost
+        p.observe(assemble_s=0.005, step_s=1e-6)
+    assert p.mode == "inline"
+
+
 def test_costly_but_hidden_by_a_long_step_stays_inline():
     p = Pacer()
     for _ in range(100):  # 0.2 ms inline in a 1 s step: 0.02% wait, no reason to hand over
@@ -60,13 +67,13 @@ def test_default_switching_modes_mid_run_gives_the_same_batches_and_resumes(stor
                 ld.pacer.mode = "inline"
             got.append({n: a.copy() for n, a in next(it).items()})
         assert same(got, want) and ld.consumed_samples == 240
-    monkeypatch.setattr(pacing, "HANDOFF_S", 0.0)  # every batch "costly": goes ahead at once
+    monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)  # every batch "costly": goes ahead at once
     assert_resumes_exactly(lambda: Loader(store, seq_len=L, batch_size=4), steps=12)
 
 
 @pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
 def test_the_meter_and_stats_say_which_mode_and_why(store, monkeypatch):
-    monkeypatch.setattr(pacing, "HANDOFF_S", 0.0)
+    monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
     monkeypatch.setattr(pacing, "WAIT_FRACTION", 0.0)
     with Loader(store, seq_len=L, batch_size=4) as ld:
         meter = Meter(ld)
@@ -83,7 +90,7 @@ def test_the_meter_and_stats_say_which_mode_and_why(store, monkeypatch):
 
 @pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
 def test_default_with_process_workers_goes_ahead_with_the_same_batches(store, monkeypatch):
-    monkeypatch.setattr(pacing, "HANDOFF_S", 0.0)
+    monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
     monkeypatch.setattr(pacing, "WAIT_FRACTION", 0.0)
     with Loader(store, seq_len=L, batch_size=4, num_workers=0) as ref:
         want = take(ref, 30)

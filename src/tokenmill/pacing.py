@@ -5,7 +5,7 @@ concat batch of 8 × 2048 tokens is built in about 30 µs: ahead only pays when 
 more than the hand-off *and* waiting for it inline would show in the step (cold pages, remote
 shards, packed rows with many segments, a short step). So the Pacer starts inline, and from
 measured times (assembly of each batch, the consumer's time between batches) moves ahead after a
-few costly batches and back inline after a long cheap window; ``reason`` says why, in numbers::
+few costly batches with a step to hide them behind and back inline after a long cheap window; ``reason`` says why, in numbers::
 
     pacer = Pacer()
     pacer.observe(assemble_s=0.004, step_s=0.020)   # ... after GO_AHEAD such steps:
@@ -46,7 +46,10 @@ class Pacer:
             return False
         self.assemble_s += (assemble_s - self.assemble_s) / 8
         self.step_s += (step_s - self.step_s) / 8
-        costly = assemble_s > HANDOFF_S and assemble_s > WAIT_FRACTION * (assemble_s + step_s)
+        # ahead hides at most the step: with no step to hide behind (a loop that only draws
+        # batches) a hand-off is pure cost
+        costly = min(assemble_s, step_s) > HANDOFF_S and \
+            assemble_s > WAIT_FRACTION * (assemble_s + step_s)
         if self.mode == "inline":
             self.streak = self.streak + 1 if costly else 0
             if self.streak >= GO_AHEAD:
