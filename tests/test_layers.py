@@ -21,7 +21,9 @@ PACKAGE = SRC / "tokenmill"
 # bottom → top; one entry per layer
 LAYERS: list[tuple[str, ...]] = [
     ("tokenmill.errors",),
-    ("tokenmill.io", "tokenmill.procs", "tokenmill.child", "tokenmill.metrics", "tokenmill.sampler"),
+    ("tokenmill.io", "tokenmill.procs", "tokenmill.child", "tokenmill.metrics", "tokenmill.sampler",
+     "tokenmill.pacing", "tokenmill.ring", "tokenmill.watch",
+     "tokenmill.segments"),
     ("tokenmill.records", "tokenmill.readers", "tokenmill.columnar", "tokenmill.decompress", "tokenmill.sources", "tokenmill.fastbpe",
      "tokenmill.tokenizer", "tokenmill.pack", "tokenmill.attention", "tokenmill.mixture"),
     ("tokenmill.store.format",),

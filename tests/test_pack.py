@@ -349,3 +349,14 @@ def test_unwritable_cache_dir_builds_in_memory_and_warns_once(tmp_path, lengths)
 def test_bad_cache_key_is_a_config_error(tmp_path, key):
     with pytest.raises(ConfigError, match="key"):
         load_or_build_packed(tmp_path, key=key, doc_lengths=np.array([3]), seq_len=4)
+
+
+def test_fill_metadata_the_docstring_row():
+    from tokenmill.segments import fill_metadata
+    out = {k: np.full((2, 7), 9, np.int32) for k in ("segment_ids", "positions", "loss_mask")}
+    # row 0: segments of 3 and 4 tokens then padding; row 1: one segment filling the row
+    fill_metadata(out, slice(0, 2), (2, 8), np.array([0, 3, 8]), np.array([3, 4, 8]),
+                  np.array([False, True, False]))
+    assert out["segment_ids"].tolist() == [[1, 1, 1, 2, 2, 2, 2], [1] * 7]
+    assert out["positions"].tolist() == [[0, 1, 2, 0, 1, 2, 3], list(range(7))]
+    assert out["loss_mask"].tolist() == [[1, 1, 0, 1, 1, 1, 0], [1] * 7]

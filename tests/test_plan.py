@@ -93,3 +93,18 @@ def test_consumed_of_checks_the_whole_state():
                        (json.dumps(state, default=int), "version")]:
         with pytest.raises(ConfigError, match=match):
             consumed_of(bad, "f")
+
+
+@pytest.mark.parametrize("segments", [3, 40])  # slice copies, then one index array per shard
+def test_gather_is_the_ranges_back_to_back_across_shards(tmp_path, segments):
+    lengths = np.full(200, 50)
+    path = write_positional_store(tmp_path / "s", lengths, shard_tokens=2_000)  # 5 shards
+    plan = BatchPlan.open(path, LayoutConfig(seq_len=64, layout="packed"))
+    src, rng = plan.sources[0], np.random.default_rng(segments)
+    docs = rng.integers(0, 200, segments)
+    starts = docs * 50 + rng.integers(0, 20, segments)
+    lens = rng.integers(1, 30, segments)
+    got = src.gather(starts.astype(np.int64), lens.astype(np.int64))
+    want = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])
+    assert src.store.num_shards == 5 and got.tolist() == want.tolist()
+    plan.close()

@@ -7,6 +7,7 @@ from tokenmill.metrics import Instrumented, Meter, ModelCost
 from tokenmill.prepare import PrepareConfig, prepare
 from tokenmill.store import TokenStore, verify_store
 from tokenmill.tokenizer import load_tokenizer
+from tokenmill.watch import Watch
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,7 @@ __all__ = [
     "TokenStore",
     "TokenizerError",
     "TokenmillError",
+    "Watch",
     "__version__",
     "load_tokenizer",
     "prepare",

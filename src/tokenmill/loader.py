@@ -15,7 +15,6 @@ the packed layout, ``segment_ids``, ``positions``, ``loss_mask``.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 import weakref
@@ -27,12 +26,13 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from tokenmill.errors import ConfigError, StaleIterator
-from tokenmill.plan import (STATE_VERSION, BatchPlan, LayoutConfig, batch_at, global_positions,
-                            resolve_rank)
 from tokenmill.mixture import described_phases
+from tokenmill.pacing import Pacer
+from tokenmill.plan import (STATE_VERSION, BatchPlan, LayoutConfig, batch_at, global_positions, resolve_rank)
 from tokenmill.procs import usable_cores
 from tokenmill.provenance import RowOrigin, explain_positions
 from tokenmill.resume import Difference, consumed_from, report
+from tokenmill.ring import Ring, memory_plan
 from tokenmill.store.reader import TokenStore
 from tokenmill.streaming import open_stream
 from tokenmill.workers import ProcessPool
@@ -81,43 +81,6 @@ class LoaderOptions:
                 raise TypeError(f"Loader() got an unexpected keyword argument {name!r} "
                                 f"(its options are {sorted(known)})")
         return cls(**options)
-
-
-class _Ring:
-    """Reusable batch buffers; one is reused only when no outside reference to it remains."""
-
-    def __init__(self, make, size: int):
-        self.make, self.size = make, size
-        self.free: deque[dict] = deque()
-        self.free_refs: list[int] = []
-        self.out: deque[dict] = deque()  # handed to the user, oldest first
-
-    def take(self) -> dict[str, np.ndarray]:
-        """A buffer set that nothing else references (reclaimed or new)."""
-        while self.out and _refcounts(self.out[0]) == self.free_refs:
-            self.free.append(self.out.popleft())
-        if self.free:
-            return self.free.popleft()
-        if len(self.out) >= self.size:  # the user keeps old batches: let them own those
-            self.out.popleft()
-        bufs = self.make()
-        # what an array's count reads when only the ring's dict holds it, measured the same way
-        self.free_refs = _refcounts(bufs)
-        return bufs
-
-    def hand_out(self, bufs: dict) -> dict:
-        """Record ``bufs`` as given to the user; returns a new dict over the same arrays."""
-        self.out.append(bufs)
-        return dict(bufs)
-
-    def reclaim(self, bufs: dict) -> None:
-        """Return a buffer set that was never handed out."""
-        self.free.append(bufs)
-
-
-def _refcounts(bufs: dict) -> list[int]:
-    # a user's dict, a view (its .base) or a tensor from from_numpy each add one reference
-    return [sys.getrefcount(a) for a in bufs.values()]
 
 
 class LoaderIterator:
@@ -181,6 +144,8 @@ class Loader:
         self.epochs, self.worker_type = opts.epochs, opts.worker_type
         self.cache_dir = None if opts.cache_dir is None else str(opts.cache_dir)
         self.num_workers = _resolve_workers(num_workers)
+        # "auto": inline or one worker ahead, decided by measured times (pacing.Pacer)
+        self.pacer = Pacer() if num_workers == "auto" and self.num_workers else None
         self.prefetch = _resolve_prefetch(opts.prefetch, self.num_workers)
         self.plan = BatchPlan.open(source, self.config, dtype=opts.dtype, cache_dir=self.cache_dir,
                                    mixture=opts.mixture)
@@ -201,7 +166,7 @@ class Loader:
         self._pool = None
         self._closed = False
         self._current: LoaderIterator | None = None
-        self._ring = _Ring(lambda: self.plan.new_buffers(self.batch_size), size=self.prefetch + 2)
+        self._ring = Ring(lambda: self.plan.new_buffers(self.batch_size), size=self.prefetch + 2)
 
     @classmethod
     def from_text(cls, inputs, *, tokenizer: str = "bytes", seq_len: int, batch_size: int,
@@ -266,7 +231,8 @@ class Loader:
                      f"={self._consumed:,}. Keep one iterator (it = iter(loader)) to call next(it) "
                      "inside a loop, or make a second Loader")
         it = self._current = LoaderIterator()
-        it.gen = self._inline(it) if self.num_workers == 0 else self._ahead(it)
+        it.gen = (self._paced(it) if self.pacer else
+                  self._inline(it) if self.num_workers == 0 else self._ahead(it))
         return it
 
     def _retire(self, why: str) -> None:
@@ -313,19 +279,70 @@ class Loader:
                 self._tune(clock() - t0, clock())
                 yield batch
         finally:
-            for fut, bufs in ahead:  # prefetched, never handed out: not consumed
-                fut.cancel()
-                try:
-                    fut.result()
-                except BaseException:
-                    pass
-                self._ring.reclaim(bufs)
+            self._cancel(ahead)
 
-    def _timed_fill(self, positions: np.ndarray, bufs: dict) -> None:
+    def _paced(self, it: LoaderIterator) -> Iterator[dict[str, np.ndarray]]:
+        """The default: inline while assembling is cheap, ahead on a worker while the Pacer's
+        measurements say it is not; prefetched batches drain in order before going inline."""
+        ahead: deque[tuple[Future, dict]] = deque()
+        nxt, n_left, gb = self._consumed, self._remaining(), self.global_batch_size
+        clock = time.perf_counter
+        try:
+            while True:
+                while self.pacer.mode == "ahead" and len(ahead) < self.prefetch and \
+                        (n_left is None or n_left > 0):
+                    bufs = self._ring.take()
+                    ahead.append((self._ensure_pool().submit(self._timed_fill,
+                                                             self.positions(nxt), bufs), bufs))
+                    nxt, n_left = nxt + gb, None if n_left is None else n_left - 1
+                t0 = clock()
+                if ahead:
+                    fut, bufs = ahead.popleft()
+                    self._ready = sum(f.done() for f, _ in ahead) + fut.done()
+                    took = fut.result()
+                elif n_left is None or n_left > 0:
+                    bufs = self._ring.take()
+                    took = self._timed_fill(self.positions(nxt), bufs)
+                    nxt, n_left = nxt + gb, None if n_left is None else n_left - 1
+                else:
+                    return
+                batch = self._hand_out(it, bufs)
+                if ahead:
+                    self._tune(clock() - t0, clock())
+                handed = clock()
+                yield batch
+                self.pacer.observe(assemble_s=took, step_s=clock() - handed)
+        finally:
+            self._cancel(ahead)
+
+    def _cancel(self, ahead: deque) -> None:
+        for fut, bufs in ahead:  # prefetched, never handed out: not consumed
+            fut.cancel()
+            try:
+                fut.result()
+            except BaseException:
+                pass
+            self._ring.reclaim(bufs)
+
+    def _timed_fill(self, positions: np.ndarray, bufs: dict) -> float:
         t0 = time.perf_counter()
         self.plan.fill(positions, bufs)
+        took = time.perf_counter() - t0
         with self._stage_lock:
-            self._assemble_s += time.perf_counter() - t0
+            self._assemble_s += took
+        return took
+
+    def stats(self) -> dict[str, Any]:
+        """Where batches are assembled and why: {"mode": "inline" | "ahead", "why", "workers",
+        "worker_type", "prefetch", …}; the default's mode follows measurements (pacing.Pacer)."""
+        if self.pacer is not None:
+            info = self.pacer.stats()
+        elif self.num_workers == 0:
+            info = {"mode": "inline", "why": "num_workers=0 given"}
+        else:
+            info = {"mode": "ahead", "why": f"num_workers={self.num_workers} given"}
+        return {**info, "workers": self.num_workers, "worker_type": self.worker_type,
+                "prefetch": self.prefetch}
 
     def _tune(self, waited: float, now: float) -> None:
         """prefetch="auto": one batch deeper whenever a window of steps waited over 1% of its
@@ -457,8 +474,8 @@ def _shutdown(pool) -> None:
 
 def _resolve_workers(num_workers: int | str) -> int:
     if num_workers == "auto":
-        # one background worker: batch k+1 is assembled while the step runs (numpy copies
-        # release the GIL); a pool that competes with the training step for 2 cores loses
+        # at most one background worker, used while the Pacer measures that it pays (numpy
+        # copies release the GIL); a pool that competes with the step for 2 cores loses
         return 1 if usable_cores() > 1 else 0
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ConfigError(f"num_workers must be an int >= 0 or 'auto' (got {num_workers!r})")
@@ -469,18 +486,3 @@ def _resolve_prefetch(prefetch: int | str, num_workers: int) -> int:
     if prefetch == "auto":
         return 2 * max(1, num_workers)  # a starting depth; deepened while data wait > 1%
     return prefetch
-
-
-def memory_plan(*, seq_len: int, batch_size: int, layout: str = "concat", dtype: str = "int32",
-                prefetch: int = 2, num_documents: int = 0) -> dict[str, int]:
-    """Bytes the Loader's buffers take for a config: batch ring, and the packed layout if any.
-
-    memory_plan(seq_len=2048, batch_size=8, prefetch=2)["batch_ring"] == 2 * 8 * 2048 * 4 * 4
-    """
-    per_row = seq_len * np.dtype(dtype).itemsize * 2
-    if layout == "packed":
-        per_row += seq_len * (4 + 4 + 1)  # segment_ids, positions, loss_mask
-    ring = per_row * batch_size * (prefetch + 2)
-    # packed layout: row_ptr + (start, len, doc) per segment, about 1.1 segments per document
-    packed = int(num_documents * 1.1 * 24 + num_documents * 8) if layout == "packed" else 0
-    return {"batch_ring": ring, "packed_layout": packed, "total": ring + packed}

@@ -204,6 +204,7 @@ class Meter:
         self._clock = clock
         self._stage_fn = _probe(iterable, self._it, "stage_times")
         self._depth_fn = _probe(iterable, self._it, "queue_depth")
+        self._mode_fn = _probe(iterable, self._it, "stats")  # a Loader: where batches are built
         self.time_to_first_batch: float | None = None
         self._last_end: float | None = None  # end of the last next(): a step is running
         self._pending_tokens = 0  # tokens of the batch in the consumer's hands
@@ -293,6 +294,9 @@ class Meter:
             detail += "; stages " + ", ".join(f"{k} {_secs(v)}" for k, v in stages.items())
         if depth is not None:
             detail += f"; mean queue depth {depth:.1f}"
+        mode = self._mode_fn() if self._mode_fn is not None else None
+        if isinstance(mode, Mapping) and "mode" in mode:
+            detail += f"; batches assembled {mode['mode']} ({mode.get('why', '')})"
         if self.time_to_first_batch is not None:
             detail += f"; first batch after {_secs(self.time_to_first_batch)} (not counted)"
         return {
@@ -313,6 +317,7 @@ class Meter:
             "mfu": mfu,
             "verdict": verdict,
             "verdict_detail": detail,
+            "loader": dict(mode) if isinstance(mode, Mapping) else None,
         }
 
     def _stage_delta(self) -> dict[str, float] | None:

@@ -41,7 +41,8 @@ import numpy as np
 import xxhash
 
 from tokenmill.errors import ConfigError
-from tokenmill.sampler import hash_ints
+from tokenmill.sampler import exclusive_cumsum, hash_ints, ranges
+from tokenmill.segments import fill_metadata
 
 __all__ = [
     "PackedLayout",
@@ -64,25 +65,6 @@ def _check_seq_len(seq_len: int) -> int:
     if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
         raise ConfigError(f"seq_len must be an int >= 1 (got {seq_len=!r})")
     return int(seq_len)
-
-
-def _exclusive_cumsum(a: np.ndarray) -> np.ndarray:
-    """[0, a0, a0+a1, …] without the total.
-
-    _exclusive_cumsum(np.array([3, 1, 2])).tolist() == [0, 3, 4]
-    """
-    out = np.zeros(len(a), dtype=np.int64)
-    np.cumsum(a[:-1], out=out[1:])
-    return out
-
-
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(s, s + c) for each (s, c).
-
-    _ranges(np.array([5, 0]), np.array([2, 3])).tolist() == [5, 6, 0, 1, 2]
-    """
-    total = int(counts.sum())
-    return np.repeat(starts - _exclusive_cumsum(counts), counts) + np.arange(total, dtype=np.int64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +154,7 @@ def _pieces(doc_lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarr
     n_pieces = np.where(doc_lengths > capacity, (doc_lengths - 2) // seq_len + 1,
                         (doc_lengths > 0).astype(np.int64))
     doc = np.repeat(np.arange(len(doc_lengths), dtype=np.int64), n_pieces)
-    offset = _ranges(np.zeros(len(doc_lengths), np.int64), n_pieces) * seq_len
+    offset = ranges(np.zeros(len(doc_lengths), np.int64), n_pieces) * seq_len
     length = np.minimum(capacity, doc_lengths[doc] - offset)
     return doc, offset, length
 
@@ -292,7 +274,7 @@ def pack_documents(doc_lengths: np.ndarray, seq_len: int,
         order = order[np.argsort(rows, kind="stable")]
     counts = np.bincount(rows, minlength=int(rows.max(initial=-1)) + 1)
     row_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    starts = _exclusive_cumsum(lengths)
+    starts = exclusive_cumsum(lengths)
     long = lengths > capacity
     layout = PackedLayout(
         seq_len=seq_len, row_ptr=row_ptr,
@@ -310,61 +292,62 @@ def _freeze(layout: PackedLayout) -> None:
 
 
 Tokens = np.ndarray | Callable[[int, int], np.ndarray]
+Gather = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (starts, lengths) -> tokens back to back
 
 
 def fill_packed_rows(layout: PackedLayout, row_ids: np.ndarray, tokens: Tokens,
-                     out: Mapping[str, np.ndarray], rows: np.ndarray | None = None) -> None:
+                     out: Mapping[str, np.ndarray], rows: np.ndarray | None = None, *,
+                     gather: Gather | None = None) -> None:
     """Write packed rows row_ids into batch rows `rows` (default 0..len-1) of the arrays in `out`.
 
-    `tokens` is the flat global token array (a memmap is fine) or a `read(start, stop)` callable
-    such as TokenStore.tokens. `out` holds (B, seq_len) arrays "inputs", "targets" and, if
-    present, "segment_ids" (1-based segment of each input in its row, 0 on padding),
-    "positions" (restarting at 0 at each segment) and "loss_mask" (1 where input and target
-    belong to the same segment). Padding token id is 0.
+    `tokens`: the flat global token array (a memmap is fine) or a `read(start, stop)` callable
+    (TokenStore.tokens); `gather(starts, lengths)`, if given, returns all the batch's segments
+    back to back (one gather a batch). `out` holds (B, seq_len) "inputs", "targets" and maybe
+    "segment_ids" (1-based in its row, 0 on padding), "positions" (0 at each segment start) and
+    "loss_mask" (1 where input and target are in the same segment). Padding token id is 0.
     """
     row_ids = np.asarray(row_ids, dtype=np.int64).ravel()
     if row_ids.size and (row_ids.min() < 0 or row_ids.max() >= layout.num_rows):
         raise ConfigError(f"row ids must be in [0, {layout.num_rows}) (got min {row_ids.min()}, "
                           f"max {row_ids.max()})")
-    dest = np.arange(len(row_ids)) if rows is None else np.asarray(rows, dtype=np.int64).ravel()
+    dest = slice(0, len(row_ids)) if rows is None else np.asarray(rows, dtype=np.int64).ravel()
+    if not isinstance(dest, slice) and np.array_equal(dest, np.arange(len(row_ids))):
+        dest = slice(0, len(row_ids))  # a slice assigns faster than an index array
     b, capacity = len(row_ids), layout.capacity
     first = layout.row_ptr[row_ids]
     n_segs = layout.row_ptr[row_ids + 1] - first
-    seg = _ranges(first, n_segs)  # the batch's segments, row by row
-    seg_len = layout.seg_len[seg]
-    seg_first = _exclusive_cumsum(n_segs)  # index (in seg) of each batch row's first segment
-    tok_before = _exclusive_cumsum(seg_len)  # tokens of the batch before each segment
-    in_row = tok_before - np.repeat(tok_before[seg_first], n_segs)
-    dst = np.repeat(np.arange(b, dtype=np.int64) * capacity, n_segs) + in_row
-
-    token_seg = np.repeat(np.arange(len(seg)), seg_len)  # segment of every copied token
-    pos = np.arange(len(token_seg), dtype=np.int64) - tok_before[token_seg]
-    flat = dst[token_seg] + pos
-    buf = np.zeros(b * capacity, dtype=out["inputs"].dtype)
-    if isinstance(tokens, np.ndarray):
-        buf[flat] = tokens[layout.seg_start[seg][token_seg] + pos]
+    seg = ranges(first, n_segs)  # the batch's segments, row by row
+    seg_len, seg_start = layout.seg_len[seg], layout.seg_start[seg]
+    tok_before = exclusive_cumsum(seg_len)  # tokens of the batch before each segment
+    row_of = np.repeat(np.arange(b, dtype=np.int64), n_segs)
+    in_row = tok_before - tok_before[exclusive_cumsum(n_segs)][row_of]  # segment's row offset
+    total = int(seg_len.sum())
+    padded = total != b * capacity  # a batch without padding needs no index array, no scatter
+    flat = ranges(row_of * capacity + in_row, seg_len) if padded else None
+    if gather is None and isinstance(tokens, np.ndarray):
+        vals = tokens[ranges(seg_start, seg_len)]
     else:
-        for start, length, at in zip(layout.seg_start[seg].tolist(), seg_len.tolist(),
-                                     dst.tolist()):
-            buf[at:at + length] = tokens(start, start + length)
-    buf = buf.reshape(b, capacity)
+        vals = (gather or _reads(tokens))(seg_start, seg_len)
+    buf = _placed(vals, flat, b * capacity, out["inputs"].dtype).reshape(b, capacity)
     out["inputs"][dest] = buf[:, :-1]
     out["targets"][dest] = buf[:, 1:]
-
     if not {"segment_ids", "positions", "loss_mask"} & out.keys():
         return
-    segment_ids = np.zeros(b * capacity, dtype=np.int32)
-    segment_ids[flat] = (np.arange(len(seg)) - np.repeat(seg_first, n_segs) + 1)[token_seg]
-    segment_ids = segment_ids.reshape(b, capacity)
-    if "segment_ids" in out:
-        out["segment_ids"][dest] = segment_ids[:, :-1]
-    if "positions" in out:
-        positions = np.zeros(b * capacity, dtype=np.int64)
-        positions[flat] = pos
-        out["positions"][dest] = positions.reshape(b, capacity)[:, :-1]
-    if "loss_mask" in out:
-        same = (segment_ids[:, :-1] == segment_ids[:, 1:]) & (segment_ids[:, :-1] != 0)
-        out["loss_mask"][dest] = same
+    fill_metadata(out, dest, (b, capacity), row_of * capacity + in_row, seg_len, in_row > 0)
+
+
+def _reads(read: Callable[[int, int], np.ndarray]) -> Gather:
+    return lambda starts, lens: np.concatenate(
+        [read(s, s + n) for s, n in zip(starts.tolist(), lens.tolist())] or [np.zeros(0, int)])
+
+
+def _placed(values: np.ndarray, flat: np.ndarray | None, size: int, dtype) -> np.ndarray:
+    """``values`` laid out at indices ``flat`` of a zeroed array of ``size`` (as is: no flat)."""
+    if flat is None:
+        return values
+    buf = np.zeros(size, dtype=dtype)
+    buf[flat] = values
+    return buf
 
 
 # ---------------------------------------------------------------------------------------------

@@ -164,7 +164,8 @@ class SampleSource:
     def fill(self, addrs: np.ndarray, rows: np.ndarray, out: dict[str, np.ndarray]) -> None:
         """Write the samples at ``addrs`` into rows ``rows`` of the batch arrays ``out``."""
         if self.packed is not None:
-            pack.fill_packed_rows(self.packed, addrs, self.store.tokens, out, rows)
+            pack.fill_packed_rows(self.packed, addrs, self.store.tokens, out, rows,
+                                  gather=self.gather)
             return
         L = self.config.seq_len
         shard = np.searchsorted(self._shard_starts, addrs, side="right") - 1
@@ -181,6 +182,36 @@ class SampleSource:
             else:
                 self.store.copy_tokens(s, inputs[row])
                 self.store.copy_tokens(s + 1, targets[row])
+
+
+    SLICE_SEGMENTS = 32  # up to this many ranges a batch, slice copies beat building indices
+
+    def gather(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Tokens of the global ranges [start, start + length) back to back: slice copies for a
+        few ranges, else one gather through one index array per shard touched (same bytes)."""
+        bounds = self._shard_starts
+        shard = np.searchsorted(bounds, starts, side="right") - 1
+        local = starts - bounds[shard]
+        out = np.empty(int(lengths.sum()), self.store.dtype)
+        if np.any(local + lengths > bounds[shard + 1] - bounds[shard]):  # crosses a shard end
+            at = 0
+            for s, n in zip(starts.tolist(), lengths.tolist()):
+                self.store.copy_tokens(s, out[at:at + n])
+                at += n
+            return out
+        if len(starts) <= self.SLICE_SEGMENTS:
+            at, shard_of = 0, self.store.shard
+            for k, s, n in zip(shard.tolist(), local.tolist(), lengths.tolist()):
+                out[at:at + n] = shard_of(k)[s:s + n]  # looked up per range: maps are bounded
+                at += n
+            return out
+        at = np.zeros(len(lengths), np.int64)
+        np.cumsum(lengths[:-1], out=at[1:])
+        for k in np.unique(shard).tolist():
+            sel = np.flatnonzero(shard == k)  # the store maps shards on demand: one at a time
+            out[sampler.ranges(at[sel], lengths[sel])] = \
+                self.store.shard(k)[sampler.ranges(local[sel], lengths[sel])]
+        return out
 
 
 def open_sources(source, config: LayoutConfig, cache_dir: str | os.PathLike | None = None,

@@ -30,9 +30,11 @@ __all__ = [
     "batch_positions",
     "epoch_of",
     "epoch_permutation",
+    "exclusive_cumsum",
     "hash_ints",
     "mixture_schedule",
     "phased_schedule",
+    "ranges",
     "sample_ids",
     "split_epoch",
 ]
@@ -453,3 +455,22 @@ def assign_phased(phases: Phases, positions: np.ndarray) -> tuple[np.ndarray, np
         store[sel] = phases.stores[i][local]
         draw[sel] = d + phases.offsets[i][store[sel]]
     return store, draw
+
+
+def exclusive_cumsum(a: np.ndarray) -> np.ndarray:
+    """[0, a0, a0+a1, …] without the total.
+
+    exclusive_cumsum(np.array([3, 1, 2])).tolist() == [0, 3, 4]
+    """
+    out = np.zeros(len(a), dtype=np.int64)
+    np.cumsum(a[:-1], out=out[1:])
+    return out
+
+
+def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + c) for each (s, c): one index array for many ranges.
+
+    ranges(np.array([5, 0]), np.array([2, 3])).tolist() == [5, 6, 0, 1, 2]
+    """
+    total = int(counts.sum())
+    return np.repeat(starts - exclusive_cumsum(counts), counts) + np.arange(total, dtype=np.int64)

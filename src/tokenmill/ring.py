@@ -1,0 +1,69 @@
+"""The Loader's batch buffers: a small ring reused only when nothing outside still holds a batch.
+
+A buffer set handed to the user is reused once its arrays' reference counts are back to what the
+ring alone holds (``refcounts``), so a batch you keep is never overwritten::
+
+    ring = Ring(lambda: {"inputs": np.empty((8, 2048), np.int32)}, size=4)
+    bufs = ring.take(); batch = ring.hand_out(bufs)
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+
+import numpy as np
+
+__all__ = ["Ring", "memory_plan", "refcounts"]
+
+
+class Ring:
+    """Reusable batch buffers; one is reused only when no outside reference to it remains."""
+
+    def __init__(self, make, size: int):
+        self.make, self.size = make, size
+        self.free: deque[dict] = deque()
+        self.free_refs: list[int] = []
+        self.out: deque[dict] = deque()  # handed to the user, oldest first
+
+    def take(self) -> dict[str, np.ndarray]:
+        """A buffer set that nothing else references (reclaimed or new)."""
+        while self.out and refcounts(self.out[0]) == self.free_refs:
+            self.free.append(self.out.popleft())
+        if self.free:
+            return self.free.popleft()
+        if len(self.out) >= self.size:  # the user keeps old batches: let them own those
+            self.out.popleft()
+        bufs = self.make()
+        # what an array's count reads when only the ring's dict holds it, measured the same way
+        self.free_refs = refcounts(bufs)
+        return bufs
+
+    def hand_out(self, bufs: dict) -> dict:
+        """Record ``bufs`` as given to the user; returns a new dict over the same arrays."""
+        self.out.append(bufs)
+        return dict(bufs)
+
+    def reclaim(self, bufs: dict) -> None:
+        """Return a buffer set that was never handed out."""
+        self.free.append(bufs)
+
+
+def refcounts(bufs: dict) -> list[int]:
+    # a user's dict, a view (its .base) or a tensor from from_numpy each add one reference
+    return [sys.getrefcount(a) for a in bufs.values()]
+
+
+def memory_plan(*, seq_len: int, batch_size: int, layout: str = "concat", dtype: str = "int32",
+                prefetch: int = 2, num_documents: int = 0) -> dict[str, int]:
+    """Bytes the Loader's buffers take for a config: batch ring, and the packed layout if any.
+
+    memory_plan(seq_len=2048, batch_size=8, prefetch=2)["batch_ring"] == 2 * 8 * 2048 * 4 * 4
+    """
+    per_row = seq_len * np.dtype(dtype).itemsize * 2
+    if layout == "packed":
+        per_row += seq_len * (4 + 4 + 1)  # segment_ids, positions, loss_mask
+    ring = per_row * batch_size * (prefetch + 2)
+    # packed layout: row_ptr + (start, len, doc) per segment, about 1.1 segments per document
+    packed = int(num_documents * 1.1 * 24 + num_documents * 8) if layout == "packed" else 0
+    return {"batch_ring": ring, "packed_layout": packed, "total": ring + packed}

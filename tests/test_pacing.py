@@ -1,0 +1,100 @@
+"""The default Loader's pacing: inline while cheap, ahead while measured costly; same batches."""
+
+import numpy as np
+import pytest
+
+from conftest import assert_resumes_exactly, same, take, write_positional_store
+from tokenmill import pacing
+from tokenmill.loader import Loader
+from tokenmill.metrics import Meter
+from tokenmill.pacing import Pacer
+from tokenmill.procs import usable_cores
+
+L = 16
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    lengths = np.random.default_rng(3).integers(1, 60, size=300)
+    return write_positional_store(tmp_path_factory.mktemp("p") / "store", lengths,
+                                  shard_tokens=1500)
+
+
+def test_cheap_batches_stay_inline_even_at_short_steps():
+    p = Pacer()
+    for _ in range(500):
+        p.observe(assemble_s=30e-6, step_s=0.002)
+    assert p.mode == "inline" and p.switches == 0
+
+
+def test_costly_batches_move_ahead_after_a_few_then_back_after_a_cheap_window():
+    p = Pacer()
+    p.observe(assemble_s=0.05, step_s=0.02)  # the first batch never counts
+    for _ in range(pacing.GO_AHEAD - 1):
+        assert not p.observe(assemble_s=0.004, step_s=0.02)
+    assert p.observe(assemble_s=0.004, step_s=0.02) and p.mode == "ahead"
+    assert "4.00 ms" in p.reason
+    for _ in range(200):
+        p.observe(assemble_s=20e-6, step_s=0.02)
+    assert p.mode == "inline" and p.switches == 2 and p.stats()["mode"] == "inline"
+
+
+def test_no_step_to_hide_behind_stays_inline():
+    p = Pacer()
+    for _ in range(100):  # a loop that only draws batches: a hand-off would only add cost
+        p.observe(assemble_s=0.005, step_s=1e-6)
+    assert p.mode == "inline"
+
+
+def test_costly_but_hidden_by_a_long_step_stays_inline():
+    p = Pacer()
+    for _ in range(100):  # 0.2 ms inline in a 1 s step: 0.02% wait, no reason to hand over
+        p.observe(assemble_s=200e-6, step_s=1.0)
+    assert p.mode == "inline"
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
+def test_default_switching_modes_mid_run_gives_the_same_batches_and_resumes(store, monkeypatch):
+    with Loader(store, seq_len=L, batch_size=4, num_workers=0) as ref:
+        want = take(ref, 60)
+    with Loader(store, seq_len=L, batch_size=4) as ld:
+        assert ld.pacer is not None and ld.stats()["mode"] == "inline"
+        it, got = iter(ld), []
+        for k in range(60):
+            if k in (5, 25):
+                ld.pacer.mode = "ahead"
+            if k in (15, 40):
+                ld.pacer.mode = "inline"
+            got.append({n: a.copy() for n, a in next(it).items()})
+        assert same(got, want) and ld.consumed_samples == 240
+    monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)  # every batch "costly": goes ahead at once
+    assert_resumes_exactly(lambda: Loader(store, seq_len=L, batch_size=4), steps=12)
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
+def test_the_meter_and_stats_say_which_mode_and_why(store, monkeypatch):
+    monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
+    monkeypatch.setattr(pacing, "WAIT_FRACTION", 0.0)
+    with Loader(store, seq_len=L, batch_size=4) as ld:
+        meter = Meter(ld)
+        for _ in zip(range(20), meter):
+            pass
+        s = ld.stats()
+        assert s["mode"] == "ahead" and "hand-off" in s["why"] and s["switches"] == 1
+        assert meter.summary()["loader"]["mode"] == "ahead"
+        assert "batches assembled ahead" in meter.summary()["verdict_detail"]
+    with Loader(store, seq_len=L, batch_size=4, num_workers=0) as ld:
+        assert ld.stats() == {"mode": "inline", "why": "num_workers=0 given", "workers": 0,
+                              "worker_type": "thread", "prefetch": ld.prefetch}
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
+def test_default_with_process_workers_goes_ahead_with_the_same_batches(store, monkeypatch):
+    monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
+    monkeypatch.setattr(pacing, "WAIT_FRACTION", 0.0)
+    with Loader(store, seq_len=L, batch_size=4, num_workers=0) as ref:
+        want = take(ref, 30)
+    with Loader(store, seq_len=L, batch_size=4, worker_type="process") as ld:
+        got = take(ld, 30)
+        assert same(got, want) and ld.stats()["mode"] == "ahead"
+        assert ld.stats()["worker_type"] == "process"
