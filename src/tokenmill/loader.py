@@ -29,7 +29,7 @@ from tokenmill.errors import ConfigError, StaleIterator
 from tokenmill.mixture import described_phases
 from tokenmill.pacing import Pacer
 from tokenmill.plan import (STATE_VERSION, BatchPlan, LayoutConfig, batch_at, global_positions, resolve_rank)
-from tokenmill.procs import usable_cores
+from tokenmill.procs import resolve_workers, usable_cores
 from tokenmill.provenance import RowOrigin, explain_positions
 from tokenmill.resume import Difference, consumed_from, report
 from tokenmill.ring import Ring, memory_plan
@@ -477,9 +477,7 @@ def _resolve_workers(num_workers: int | str) -> int:
         # at most one background worker, used while the Pacer measures that it pays (numpy
         # copies release the GIL); a pool that competes with the step for 2 cores loses
         return 1 if usable_cores() > 1 else 0
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ConfigError(f"num_workers must be an int >= 0 or 'auto' (got {num_workers!r})")
-    return num_workers
+    return resolve_workers(num_workers, name="num_workers", minimum=0)
 
 
 def _resolve_prefetch(prefetch: int | str, num_workers: int) -> int:
