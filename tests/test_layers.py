@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
      "tokenmill.pacing", "tokenmill.ring", "tokenmill.watch",
      "tokenmill.segments"),
     ("tokenmill.records", "tokenmill.readers", "tokenmill.columnar", "tokenmill.decompress", "tokenmill.sources", "tokenmill.fastbpe",
-     "tokenmill.tokenizer", "tokenmill.pack", "tokenmill.attention", "tokenmill.mixture"),
+     "tokenmill.tokenizer_files", "tokenmill.tokenizer", "tokenmill.pack", "tokenmill.attention", "tokenmill.mixture"),
     ("tokenmill.store.format",),
     ("tokenmill.store.cache", "tokenmill.store.upload", "tokenmill.store.shards"),
     ("tokenmill.store.writer", "tokenmill.store.reader"),

@@ -21,8 +21,8 @@ from tokenizers import pre_tokenizers, trainers  # noqa: E402
 
 from conftest import FRAGMENTS, MULTILINGUAL, edited, ids_of, training_texts  # noqa: E402
 
-from tokenmill import tokenizer as tkz  # noqa: E402
 from tokenmill.errors import ConfigError, TokenizerError  # noqa: E402
+from tokenmill.tokenizer_files import openai_params  # noqa: E402
 from tokenmill.fastbpe import _bytes_to_unicode, scrub  # noqa: E402
 from tokenmill.tokenizer import (  # noqa: E402
     encode_documents, load_tokenizer, token_dtype, train_bpe,
@@ -111,7 +111,7 @@ def write_tiktoken(hf_json: str, path: Path) -> Path:
 def test_tiktoken_file_matches_fast_path(tmp_path):
     # an HF BPE splitting like cl100k, the regex a .tiktoken file not named by OpenAI gets.
     # Oniguruma reads cl100k's possessive `\p{N}{1,3}+` as "1-3 digits, repeated": drop the `+`
-    cl100k = tkz._openai_params("cl100k_base", {})["pat_str"]
+    cl100k = openai_params("cl100k_base", {})["pat_str"]
     hf = HFTok(models.BPE(ignore_merges=True))
     hf.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(cl100k.replace(r"\p{N}{1,3}+", r"\p{N}{1,3}")),
@@ -138,8 +138,8 @@ def test_tiktoken_file_matches_fast_path(tmp_path):
 
 def test_tiktoken_openai_names(gpt2_json, tmp_path):
     ranks = {bytes([b]): b for b in range(256)}
-    assert tkz._openai_params("o200k_base", ranks)["special_tokens"]["<|endoftext|>"] == 199999
-    assert "\\p{N}{1,3}" in tkz._openai_params("o200k_harmony", ranks)["pat_str"]
+    assert openai_params("o200k_base", ranks)["special_tokens"]["<|endoftext|>"] == 199999
+    assert "\\p{N}{1,3}" in openai_params("o200k_harmony", ranks)["pat_str"]
     small = write_tiktoken(gpt2_json, tmp_path / "r50k_base.tiktoken")
     with pytest.raises(TokenizerError, match="named like OpenAI's r50k_base"):
         load_tokenizer(str(small))

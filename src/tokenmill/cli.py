@@ -145,7 +145,9 @@ def add_prepare(sub) -> None:
                     "Hugging Face datasets saved with save_to_disk)")
     pp.add_argument("--out", required=True, help="store directory to create (or resume)")
     pp.add_argument("--tokenizer", default="bytes",
-                    help="'bytes' (default), a tokenizer.json, a .tiktoken file or a .model file")
+                    help="'bytes' (default), a tokenizer file (tokenizer.json, .tiktoken, "
+                    "sentencepiece .model, recognised by content), a folder, a tiktoken name "
+                    "(gpt2, cl100k_base, o200k_base, …) or a Hub id org/name[@revision]")
     pp.add_argument("--workers", type=_int_or_auto, default="auto",
                     help="worker processes (default auto: in this process when the tokenizer engine "
                          "uses every core itself (fastokens), else one per core)")

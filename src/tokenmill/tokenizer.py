@@ -5,6 +5,11 @@ r"""Tokenizers behind one small protocol, chosen by a spec string.
     ".../tokenizer.json", *.json  "hf"             "fastokens", "tiktoken" or "tokenizers"
     ".../name.tiktoken"           "tiktoken"       tiktoken, from the local file only
     ".../name.model"              "sentencepiece"  sentencepiece
+    "cl100k_base", "gpt2", …      "tiktoken"       tiktoken, from tiktoken's cache (no download)
+    "org/name[@rev]", a folder    what it holds    as above (huggingface_hub's cache first)
+
+A file's kind is read from its content, so tokenizer.model.v3 or a renamed tokenizer.json load;
+tokenmill.tokenizer_files finds the file a name means (and says how "gpt2" is read).
 
 load_tokenizer("bytes").encode_batch(["hi"])[0].tolist() == [104, 105]
 
@@ -24,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import types
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Protocol
@@ -34,14 +38,13 @@ import xxhash
 
 from tokenmill.errors import ConfigError, TokenizerError
 from tokenmill.fastbpe import ENGINE_CHOICES, NoFastPath, choose_engine, encode_np, scrub
+from tokenmill.tokenizer_files import TokenizerFile, openai_params, parse_ranks, resolve
 
 __all__ = ["Tokenizer", "encode_documents", "load_tokenizer", "token_dtype", "train_bpe"]
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "<|im_end|>")
 BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 ENDOFTEXT = "<|endoftext|>"
-SPEC_FORMS = ("'bytes', a Hugging Face tokenizer.json (any .json), a tiktoken BPE file (.tiktoken) "
-              "or a sentencepiece model (.model)")
 _WARNED: set[str] = set()
 
 
@@ -51,6 +54,7 @@ class Tokenizer(Protocol):
     kind: str  # "hf" | "tiktoken" | "sentencepiece" | "bytes"
     engine: str  # what runs it: "fastokens" | "tiktoken" | "tokenizers" | "sentencepiece" | "bytes"
     engine_notes: tuple[str, ...]  # why faster engines were refused (or "asked for: …")
+    source: str | None  # where a name was found ("hf:org/name@commit/tokenizer.json"); None: a path
     vocab_size: int  # max id + 1, special tokens included
     eos_id: int | None
     bos_id: int | None
@@ -89,19 +93,12 @@ def load_tokenizer(spec: str | os.PathLike = "bytes", *, engine: str = "auto",
                                  f"drop eos=/bos= (got {eos=}, {bos=})")
         one_engine(spec, "bytes", engine)
         return ByteTokenizer()
-    loaders = {".json": HFTokenizer, ".tiktoken": TiktokenTokenizer,
-               ".model": SentencePieceTokenizer}
-    cls = loaders.get(os.path.splitext(spec)[1].lower())
-    if cls is None:
-        raise TokenizerError(f"unknown tokenizer spec {spec!r}: expected {SPEC_FORMS}")
-    if not os.path.isfile(spec):
-        raise TokenizerError(f"tokenizer file not found: {spec!r} (expected {SPEC_FORMS})")
-    with open(spec, "rb") as f:
-        data = f.read()
-    if cls is HFTokenizer:
-        return HFTokenizer(spec, data, engine=engine, eos=eos, bos=bos)
+    found = resolve(spec)
+    if found.kind == "hf":
+        return HFTokenizer(found, engine=engine, eos=eos, bos=bos, spec=spec)
+    cls = TiktokenTokenizer if found.kind == "tiktoken" else SentencePieceTokenizer
     one_engine(spec, cls.engine, engine)
-    return cls(spec, data, eos=eos, bos=bos)
+    return cls(found, eos=eos, bos=bos, spec=spec)
 
 
 def one_engine(spec: str, own: str, engine: str) -> None:
@@ -165,9 +162,14 @@ def train_bpe(texts: Iterable[str], vocab_size: int, *, out_path: str | os.PathL
     return out_path
 
 
-def _identity(kind: str, name: str, vocab_size: int, eos_id, bos_id, data: bytes | None) -> dict:
-    return {"kind": kind, "name": name, "vocab_size": vocab_size, "eos_id": eos_id,
-            "bos_id": bos_id, "file_xxh3": None if data is None else xxhash.xxh3_64(data).hexdigest()}
+def _identity(kind: str, name: str, vocab_size: int, eos_id, bos_id, data: bytes | None,
+              asked: str | None = None, eos_from: str | None = None) -> dict:
+    """What a store records of its tokenizer; the name asked for (``spec``) and the file that
+    named the EOS (``eos_from``) only when there are such, so a file's identity stays as it was."""
+    out = {"kind": kind, "name": name, "vocab_size": vocab_size, "eos_id": eos_id,
+           "bos_id": bos_id, "file_xxh3": None if data is None else xxhash.xxh3_64(data).hexdigest()}
+    out.update({k: v for k, v in (("spec", asked), ("eos_from", eos_from)) if v is not None})
+    return out
 
 
 def _reload(spec: str, kwargs: dict, notes: tuple[str, ...] | None = None) -> Tokenizer:
@@ -182,6 +184,7 @@ class ByteTokenizer:
 
     kind = engine = "bytes"
     engine_notes = ()
+    source = None
     vocab_size, eos_id, bos_id = 258, 256, 257
     _special = {256: ENDOFTEXT, 257: "<|startoftext|>"}  # how decode shows them
 
@@ -216,7 +219,7 @@ class ByteTokenizer:
 
 
 class TiktokenTokenizer:
-    """A tiktoken Encoding read from a local .tiktoken file (base64 token, space, rank per line).
+    """A tiktoken Encoding: OpenAI's by name (from tiktoken's cache) or a local ranks file.
 
     A file named like an OpenAI encoding (r50k_base, p50k_base, cl100k_base, o200k_base, ...)
     gets that encoding's regex and special tokens; any other file gets the cl100k_base regex and
@@ -226,23 +229,20 @@ class TiktokenTokenizer:
     kind = engine = "tiktoken"
     engine_notes = ()
 
-    def __init__(self, path: str, data: bytes, *, eos: str | None, bos: str | None):
+    def __init__(self, found: TokenizerFile, *, eos: str | None, bos: str | None, spec: str):
         import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
 
-        self._spec, self._kwargs = path, {"eos": eos, "bos": bos}
-        self._data, self.name = data, os.path.basename(path)
-        try:
-            ranks = load_tiktoken_bpe(path)
-        except Exception as e:
-            raise TokenizerError(f"{path}: not a tiktoken BPE file "
-                                 f"(base64 token, space, rank per line): {e}") from e
+        path, self._found = found.path, found
+        self._spec, self._kwargs, self.source = spec, {"eos": eos, "bos": bos}, found.source
+        self._data = found.data
+        self.name = found.encoding or os.path.basename(path)
+        stem = found.encoding or self.name.removesuffix(".tiktoken")
+        ranks = found.ranks if found.ranks is not None else parse_ranks(found.data, path)
         if not ranks:
             raise TokenizerError(f"{path}: holds no tokens")
-        stem = self.name[: -len(".tiktoken")]
-        params = _openai_params(stem, ranks)
+        params = openai_params(stem, ranks)
         if params is None:
-            pat_str = _openai_params("cl100k_base", ranks)["pat_str"]
+            pat_str = openai_params("cl100k_base", ranks)["pat_str"]
             specials = {ENDOFTEXT: max(ranks.values()) + 1}
         else:
             pat_str, specials = params["pat_str"], params["special_tokens"]
@@ -279,7 +279,7 @@ class TiktokenTokenizer:
 
     def identity(self) -> dict:
         return _identity("tiktoken", self.name, self.vocab_size, self.eos_id, self.bos_id,
-                         self._data)
+                         self._data, self._found.asked)
 
     def __reduce__(self):
         return _reload, (self._spec, self._kwargs)
@@ -288,36 +288,17 @@ class TiktokenTokenizer:
         return f"TiktokenTokenizer({self._spec!r})"
 
 
-def _openai_params(name: str, ranks: dict[bytes, int]) -> dict | None:
-    """OpenAI's constructor for `name` (pattern, special tokens) run on local ranks; None if none.
-
-    The cl100k/o200k regexes live only inside tiktoken_ext's constructor functions, so rather than
-    copying them we run copies of those functions whose file loaders return `ranks`: nothing is
-    read or downloaded, and tiktoken's module stays untouched.
-    """
-    from tiktoken_ext import openai_public
-
-    ctors = openai_public.ENCODING_CONSTRUCTORS
-    if name not in ctors:
-        return None
-    env = dict(vars(openai_public))
-    env["load_tiktoken_bpe"] = env["data_gym_to_mergeable_bpe_ranks"] = lambda *a, **k: ranks
-    for key, fn in ctors.items():  # o200k_harmony calls o200k_base(): patch them all
-        env[fn.__name__] = types.FunctionType(fn.__code__, env, fn.__name__, fn.__defaults__,
-                                              fn.__closure__)
-    return env[ctors[name].__name__]()
-
-
 class SentencePieceTokenizer:
     """A sentencepiece model file; EOS is the model's own unless eos= names a piece."""
 
     kind = engine = "sentencepiece"
     engine_notes = ()
 
-    def __init__(self, path: str, data: bytes, *, eos: str | None, bos: str | None):
+    def __init__(self, found: TokenizerFile, *, eos: str | None, bos: str | None, spec: str):
         import sentencepiece as spm
 
-        self._spec, self._kwargs = path, {"eos": eos, "bos": bos}
+        path, data, self._found, self.source = found.path, found.data, found, found.source
+        self._spec, self._kwargs = spec, {"eos": eos, "bos": bos}
         self._data, self.name = data, os.path.basename(path)
         try:
             self._sp = spm.SentencePieceProcessor(model_proto=data)
@@ -350,7 +331,7 @@ class SentencePieceTokenizer:
 
     def identity(self) -> dict:
         return _identity("sentencepiece", self.name, self.vocab_size, self.eos_id, self.bos_id,
-                         self._data)
+                         self._data, self._found.asked)
 
     def __reduce__(self):
         return _reload, (self._spec, self._kwargs)
@@ -380,10 +361,12 @@ class HFTokenizer:
 
     kind = "hf"
 
-    def __init__(self, path: str, data: bytes, *, engine: str, eos: str | None, bos: str | None):
+    def __init__(self, found: TokenizerFile, *, engine: str, eos: str | None, bos: str | None,
+                 spec: str):
         from tokenizers import Tokenizer as HFTok
 
-        self._spec, self._kwargs = path, {"eos": eos, "bos": bos}
+        path, data, self._found, self.source = found.path, found.data, found, found.source
+        self._spec, self._kwargs = spec, {"eos": eos, "bos": bos}
         self._data, self.name = data, os.path.basename(path)
         config = _tokenizer_json(path, data)
         try:
@@ -397,9 +380,14 @@ class HFTokenizer:
         specials = [t["content"] for t in config.get("added_tokens") or [] if t.get("special")]
         self.eos_id = self._token_id(eos, "eos", EOS_CANDIDATES, specials)
         self.bos_id = self._token_id(bos, "bos", BOS_CANDIDATES, specials)
+        self._eos_from = None
+        if eos is None and self.eos_id is None and found.eos is not None:
+            self.eos_id, self._eos_from = self._hinted_id(found.eos, "eos"), found.eos_from
+        if bos is None and self.bos_id is None and found.bos is not None:
+            self.bos_id = self._hinted_id(found.bos, "bos")
         if self.eos_id is None:
-            raise TokenizerError(f"{path} has no EOS token; pass eos='…' "
-                                 f"(its special tokens: {specials[:20]})")
+            raise TokenizerError(f"{path} has no EOS token; pass eos='…' (its special tokens: "
+                                 f"{specials[:20]}; no tokenizer_config.json beside it names one)")
         try:
             self._engine, self.engine_notes = choose_engine(self._hf, data, config, self.name,
                                                             engine)
@@ -424,6 +412,15 @@ class HFTokenizer:
         found = [c for c in candidates if c in specials]
         return self._hf.token_to_id(found[0]) if found else None
 
+    def _hinted_id(self, hint: str | int, what: str) -> int:
+        """The id of the token tokenizer_config.json (text) or generation_config.json (id) names."""
+        token_id = self._hf.token_to_id(hint) if isinstance(hint, str) else hint
+        if token_id is None or not 0 <= token_id < self.vocab_size:
+            raise TokenizerError(f"{self._found.path}: the {what} token {hint!r} named beside it "
+                                 f"(tokenizer_config.json / generation_config.json) is not in its "
+                                 f"vocabulary; pass {what}='…'")
+        return token_id
+
     @property
     def fallback_reason(self) -> str | None:
         """Why faster engines were refused, in one line; None if the fastest one runs."""
@@ -442,7 +439,8 @@ class HFTokenizer:
         return self._hf.decode(np.asarray(ids).tolist(), skip_special_tokens=False)
 
     def identity(self) -> dict:  # engine left out: every engine gives the same ids
-        return _identity("hf", self.name, self.vocab_size, self.eos_id, self.bos_id, self._data)
+        return _identity("hf", self.name, self.vocab_size, self.eos_id, self.bos_id, self._data,
+                         self._found.asked, self._eos_from)
 
     def __reduce__(self):  # a worker re-creates (and re-proves) the very engine chosen here
         return _reload, (self._spec, self._kwargs, self.engine_notes)

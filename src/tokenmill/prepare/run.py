@@ -78,6 +78,8 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
                ".arrow", progress)
     sizes = file_sizes(files, storage_options)
     settings = config.settings(inputs, files, sizes)
+    if "spec" in tok.identity():  # a name: a resume must find the very same file behind it
+        settings["tokenizer_file_xxh3"] = tok.identity()["file_xxh3"]
     key = {"settings": settings, "unit_bytes": config.unit_bytes,
            "files": [[input_name(f), sizes[f]] for f in files]}
     # out="s3://…": shards are staged locally, each uploaded as it is committed, manifest last
@@ -107,6 +109,8 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
     try:
         run = Run(config, writer, tok, files, sizes, settings, storage_options, progress,
                   planned())
+        if getattr(tok, "source", None):
+            report(f"tokenizer {config.tokenizer}: {tok.source}", progress)
         if tok.kind == "hf":
             report(engine_line(tok), progress)
         return run

@@ -119,7 +119,9 @@ def engine_option(options: dict) -> dict:
 def engine_record(tok: Tokenizer) -> dict:
     """What the manifest says about the engine that ran (never fingerprinted: every engine
     gives the same ids): ``{"name": "fastokens", "notes": [why faster ones were refused]}``."""
-    return {"name": tok.engine, "notes": list(tok.engine_notes)}
+    source = getattr(tok, "source", None)  # where a name was found (hf:org/name@commit/…)
+    return {"name": tok.engine, "notes": list(tok.engine_notes)} | ({"source": source} if source
+                                                                     else {})
 
 
 def tokenize_unit(unit: sources.Unit, config: PrepareConfig, storage_options: Mapping | None = None,
