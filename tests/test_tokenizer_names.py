@@ -342,3 +342,31 @@ def test_cli_prepare_with_a_hub_id(gpt2_json, tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.startswith("tokenmill prepare: error: tokenizer 'org/missing': not found in "
                                "the Hugging Face cache")
+
+
+def test_a_gated_model_gets_the_hubs_own_words(tmp_path, monkeypatch):
+    import httpx2
+    import huggingface_hub
+    from huggingface_hub import constants, errors
+
+    words = ("401 Client Error. Cannot access gated repo for url https://huggingface.co/api/"
+             "models/meta-llama/Llama-3.2-1B. Access to model meta-llama/Llama-3.2-1B is "
+             "restricted. You must have access to it and be authenticated to access it.")
+    calls = []
+
+    def snapshot_download(repo_id, *, local_files_only=False, **kwargs):
+        """The Hub as a user without access sees it: nothing cached, a gated repo online."""
+        calls.append(local_files_only)
+        if local_files_only:
+            raise errors.LocalEntryNotFoundError("no cached snapshot")
+        raise errors.GatedRepoError(words, response=httpx2.Response(
+            401, request=httpx2.Request("GET", "https://huggingface.co")))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(TokenizerError) as e:
+        load_tokenizer("meta-llama/Llama-3.2-1B")
+    assert calls == [True, False]  # the cache first, then the Hub
+    assert str(e.value) == f"tokenizer 'meta-llama/Llama-3.2-1B': the Hub says: {words}"

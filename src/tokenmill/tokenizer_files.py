@@ -333,15 +333,17 @@ def from_hub(spec: str) -> TokenizerFile:
     kwargs = dict(revision=revision or None, cache_dir=cache, allow_patterns=HUB_PATTERNS)
     try:
         folder = snapshot_download(repo, local_files_only=True, **kwargs)
-    except (errors.LocalEntryNotFoundError, ValueError) as e:
-        folder, missing = None, f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    except errors.IncompleteSnapshotError as e:
+        folder, missing = None, str(e).split(". ")[0]
+    except (errors.LocalEntryNotFoundError, ValueError):
+        folder, missing = None, f"no snapshot of revision {revision or 'main'} there"
     if folder is not None and pick(folder) is None and not offline:
         folder, missing = None, "the cached snapshot holds no tokenizer file"
     if folder is None and offline:
         raise TokenizerError(
             f"tokenizer {spec!r}: not found in the Hugging Face cache {cache} ({missing}); "
             f"HF_HUB_OFFLINE is set: unset it to download it, or fetch it where there is "
-            f"network (hf download {repo} --include 'tokenizer*' '*.model*' '*_config.json') "
+            f"network (hf download {repo}{' --revision ' + revision if revision else ''} --include 'tokenizer*' '*.model*' '*_config.json') "
             "and point HF_HOME or HF_HUB_CACHE at that cache")
     if folder is None:
         try:
