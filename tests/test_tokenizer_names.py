@@ -201,8 +201,9 @@ def test_a_hub_id_not_cached_offline_says_what_was_tried(tmp_path, monkeypatch):
     with pytest.raises(TokenizerError) as e:
         load_tokenizer("meta-llama/Llama-3.2-1B")
     message = str(e.value)
-    assert message.startswith("tokenizer 'meta-llama/Llama-3.2-1B': not found in the Hugging Face "
-                              f"cache {tmp_path / 'hub'}")
+    assert message.startswith("tokenizer 'meta-llama/Llama-3.2-1B': no such file or folder here, "
+                              f"and not found in the Hugging Face cache {tmp_path / 'hub'} (no "
+                              "snapshot of revision main there)")
     assert "HF_HUB_OFFLINE is set" in message and "hf download meta-llama/Llama-3.2-1B" in message
     hub_repo(tmp_path / "hub", "org/weights", {"model.safetensors": b"\0" * 64,
                                                "config.json": b"{}"})
@@ -232,6 +233,7 @@ def test_without_huggingface_hub_the_error_names_the_extra(tmp_path, monkeypatch
 def test_files_are_recognised_by_content_not_name(gpt2_json, tmp_path, monkeypatch):
     model = sentencepiece_model()
     assert sniff(model[:256]) == "sentencepiece"
+    assert sniff(b"Hello 1\nworld\n") is None and sniff(b"IQ== 0\nIg== 1\nIw") == "tiktoken"
     snap = hub_repo(tmp_path / "hub", "mistralai/Tiny", {"tokenizer.model.v3": model,
                                                          "params.json": b'{"dim": 8}'})
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -340,8 +342,8 @@ def test_cli_prepare_with_a_hub_id(gpt2_json, tmp_path):
                         "org/missing"], cwd=tmp_path, capture_output=True, text=True,
                        timeout=120, env={**env, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1"})
     assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert r.stderr.startswith("tokenmill prepare: error: tokenizer 'org/missing': not found in "
-                               "the Hugging Face cache")
+    assert r.stderr.startswith("tokenmill prepare: error: tokenizer 'org/missing': no such file "
+                               "or folder here, and not found in the Hugging Face cache")
 
 
 def test_a_gated_model_gets_the_hubs_own_words(tmp_path, monkeypatch):

@@ -76,9 +76,11 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def load_tokenizer(spec: str | os.PathLike = "bytes", *, engine: str = "auto",
                    eos: str | None = None, bos: str | None = None,
                    fast: bool | str | None = None) -> Tokenizer:
-    """The tokenizer a spec names; engine= picks what runs a tokenizer.json ("auto": the fastest
-    proven identical; "fastokens", "tiktoken" or "hf" for that one or an error); eos=/bos= pick
-    those tokens by their text. fast= is the older spelling: False is engine "hf", a str an engine.
+    """The tokenizer a spec names: a file, a folder, a tiktoken name ("cl100k_base") or a Hub id
+    ("org/name[@rev]"), found by tokenmill.tokenizer_files. engine= picks what runs a
+    tokenizer.json ("auto": the fastest proven identical; "fastokens", "tiktoken" or "hf" for that
+    one or an error); eos=/bos= pick those tokens by their text. fast= is the older spelling:
+    False is engine "hf", a str an engine.
 
     load_tokenizer("bytes").vocab_size == 258
     """

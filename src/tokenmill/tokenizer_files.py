@@ -110,7 +110,8 @@ def sniff(head: bytes) -> str | None:
             i += 1
         if i + 1 < len(head) and head[i + 1] == 0x0A:
             return "sentencepiece"
-    if TIKTOKEN_LINE.fullmatch(head.split(b"\n", 1)[0]):
+    lines = head.split(b"\n")[:-1] or [head]  # whole lines only (the last may be cut)
+    if all(TIKTOKEN_LINE.fullmatch(line) for line in lines[:8]):
         return "tiktoken"
     return None
 
@@ -118,11 +119,13 @@ def sniff(head: bytes) -> str | None:
 def file_at(path: str, *, asked: str | None = None, source: str | None = None) -> TokenizerFile:
     """The tokenizer file at ``path``, its kind read from its content (else its extension)."""
     with open(path, "rb") as f:
-        data = f.read()
-    kind = sniff(data[:256]) or KIND_BY_EXTENSION.get(os.path.splitext(path)[1].lower())
-    if kind is None:
-        raise TokenizerError(f"{path}: not a tokenizer file (its content is not a tokenizer.json, "
-                             f"a sentencepiece model or tiktoken ranks); expected {SPEC_FORMS}")
+        head = f.read(256)
+        kind = sniff(head) or KIND_BY_EXTENSION.get(os.path.splitext(path)[1].lower())
+        if kind is None:  # say so before reading what may be a large data file
+            raise TokenizerError(f"{path}: not a tokenizer file (its content is not a "
+                                 "tokenizer.json, a sentencepiece model or tiktoken ranks); "
+                                 f"expected {SPEC_FORMS}")
+        data = head + f.read()
     hints: dict = {}
     if kind == "hf":
         hints = special_hints(os.path.dirname(path))
@@ -341,7 +344,8 @@ def from_hub(spec: str) -> TokenizerFile:
         folder, missing = None, "the cached snapshot holds no tokenizer file"
     if folder is None and offline:
         raise TokenizerError(
-            f"tokenizer {spec!r}: not found in the Hugging Face cache {cache} ({missing}); "
+            f"tokenizer {spec!r}: no such file or folder here, and not found in the Hugging "
+            f"Face cache {cache} ({missing}); "
             f"HF_HUB_OFFLINE is set: unset it to download it, or fetch it where there is "
             f"network (hf download {repo}{' --revision ' + revision if revision else ''} --include 'tokenizer*' '*.model*' '*_config.json') "
             "and point HF_HOME or HF_HUB_CACHE at that cache")
