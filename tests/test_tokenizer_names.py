@@ -38,10 +38,10 @@ TOKENMILL = Path(sys.executable).with_name("tokenmill")
 def offline(monkeypatch):
     """No network, and tiktoken's registry forgets encodings built by other tests."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    for name in ("cl100k_base", "gpt2"):
+    for name in ("cl100k_base", "gpt2", "o200k_base", "r50k_base"):
         monkeypatch.delitem(tiktoken.registry.ENCODINGS, name, raising=False)
     yield
-    for name in ("cl100k_base", "gpt2"):
+    for name in ("cl100k_base", "gpt2", "o200k_base", "r50k_base"):
         tiktoken.registry.ENCODINGS.pop(name, None)
 
 
@@ -103,6 +103,7 @@ def test_cl100k_name_reads_tiktokens_cache_and_encodes_like_tiktoken(gpt2_json, 
     ranks = ranks_of(gpt2_json)
     data = tiktoken_text(ranks)
     path = cache(tmp_path / "tt", BLOB + "encodings/cl100k_base.tiktoken", data)
+    cache(tmp_path / "tt", BLOB + "encodings/o200k_base.tiktoken", data)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tt"))
     # the blob is ours, not OpenAI's: both tiktoken and tokenmill check its sha256; accept it
     monkeypatch.setattr(tiktoken.load, "check_hash", lambda data, expected: True)
@@ -126,6 +127,10 @@ def test_cl100k_name_reads_tiktokens_cache_and_encodes_like_tiktoken(gpt2_json, 
     assert "spec" not in as_file.identity()
     back = pickle.loads(pickle.dumps(tok))  # a worker re-resolves the name, to the same file
     assert back.identity() == identity and ids_of(back, TEXTS[:3]) == ids_of(tok, TEXTS[:3])
+    o200k = load_tokenizer("o200k_base")  # o200k's own regex and special ids on the same ranks
+    assert ids_of(o200k, TEXTS) == [tiktoken.get_encoding("o200k_base").encode_ordinary(t)
+                                    for t in TEXTS]
+    assert (o200k.eos_id, o200k.identity()["spec"]) == (199999, "o200k_base")
 
 
 def test_gpt2_name_is_tiktokens_gpt2_from_its_two_cached_files(tmp_path, monkeypatch):
@@ -149,6 +154,13 @@ def test_gpt2_name_is_tiktokens_gpt2_from_its_two_cached_files(tmp_path, monkeyp
     assert ids_of(tok, TEXTS) == [ref.encode_ordinary(t) for t in TEXTS]
     assert (tok.vocab_size, tok.eos_id, tok.decode([50256])) == (50257, 50256, "<|endoftext|>")
     assert tok.identity()["spec"] == "gpt2"
+    # r50k_base: the same 50,256 ranks in one .tiktoken file
+    ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(  # reads them from the cache above
+        BLOB + "gpt-2/encodings/main/vocab.bpe", BLOB + "gpt-2/encodings/main/encoder.json")
+    cache(tt, BLOB + "encodings/r50k_base.tiktoken", tiktoken_text(ranks))
+    r50k = load_tokenizer("r50k_base")
+    assert ids_of(r50k, TEXTS) == ids_of(tok, TEXTS) == [
+        tiktoken.get_encoding("r50k_base").encode_ordinary(t) for t in TEXTS]
 
 
 def test_a_missing_or_altered_tiktoken_blob_says_how_to_get_it(gpt2_json, tmp_path, monkeypatch):

@@ -234,7 +234,7 @@ class TiktokenTokenizer:
     def __init__(self, found: TokenizerFile, *, eos: str | None, bos: str | None, spec: str):
         import tiktoken
 
-        path, self._found = found.path, found
+        path, self._asked = found.path, found.asked  # not found itself: its ranks can be large
         self._spec, self._kwargs, self.source = spec, {"eos": eos, "bos": bos}, found.source
         self._data = found.data
         self.name = found.encoding or os.path.basename(path)
@@ -281,7 +281,7 @@ class TiktokenTokenizer:
 
     def identity(self) -> dict:
         return _identity("tiktoken", self.name, self.vocab_size, self.eos_id, self.bos_id,
-                         self._data, self._found.asked)
+                         self._data, self._asked)
 
     def __reduce__(self):
         return _reload, (self._spec, self._kwargs)
