@@ -5,13 +5,14 @@ decreasing, documents longer than a row cut in pieces); a stream cannot wait for
 document. So the pass is cut into *packing windows* of W = pack_window · (seq_len + 1) tokens,
 and each window's documents are packed on their own by that same function:
 
-- a document closes a window when a multiple of W lies in (start, end] of its global tokens, so
-  the windows are a pure function of the document lengths (a resume finds the same ones);
+- a window begins at a document and closes with the first document that brings it to W tokens
+  or more (so each window but the last holds W to W + one document's tokens); the windows are a
+  pure function of the document lengths, and a resume at a window's start finds the same ones;
 - the pass's rows are the rows of window 0, then those of window 1, …: row i of the pass is a
   pure function of (inputs, tokenizer, options, seq_len, max_segments, pack_window, i);
 - a document is split only if it is longer than a row (the store rule), never at a window edge.
 
-    pass_layout(np.array([3, 2, 4]), seq_len=4, window=5).row_ptr.tolist() == [0, 1, 2, 3]
+    pass_layout(np.array([3, 2, 4]), seq_len=4, window=5).row_ptr.tolist() == [0, 1, 2]
 
 With a window larger than the input (pack_window · (seq_len + 1) > its tokens) the pass's rows
 are exactly ``pack_documents`` of all documents: the store Loader's packed rows.
@@ -36,13 +37,17 @@ from tokenmill.streaming.plan import Cursor, StreamPlan
 from tokenmill.streaming.windows import TextWindows
 
 
-def window_closes(starts: np.ndarray, lengths: np.ndarray, window: int) -> np.ndarray:
-    """Whether each document closes a packing window: a multiple of ``window`` in (start, end].
+def window_ends(ends: np.ndarray, open_start: int, window: int) -> list[int]:
+    """The documents (by index; ``ends``: their global end tokens, increasing) that close a
+    packing window, the open one beginning at token ``open_start``.
 
-    window_closes(np.array([0, 3, 5]), np.array([3, 2, 4]), 5).tolist() == [False, True, False]
+    window_ends(np.array([3, 5, 9, 12]), 0, 5) == [1, 3]
     """
-    starts = np.asarray(starts, np.int64)
-    return (starts + np.asarray(lengths, np.int64)) // window > starts // window
+    out = []
+    while (j := int(np.searchsorted(ends, open_start + window, side="left"))) < len(ends):
+        out.append(j)
+        open_start = int(ends[j])
+    return out
 
 
 def pack_window(lengths: np.ndarray, *, first_token: int, first_doc: int, seq_len: int,
@@ -63,8 +68,8 @@ def pass_layout(doc_lengths: np.ndarray, *, seq_len: int, window: int,
     windows' rows one after the other (see the module docstring)."""
     lengths = np.asarray(doc_lengths, np.int64)
     starts = exclusive_cumsum(lengths)
-    cuts = np.flatnonzero(window_closes(starts, lengths, window)) + 1
-    bounds = np.unique(np.concatenate([[0], cuts, [len(lengths)]])).tolist()
+    cuts = [j + 1 for j in window_ends(starts + lengths, 0, window)]
+    bounds = sorted({0, *cuts, len(lengths)})
     parts = [pack_window(lengths[a:b], first_token=int(starts[a]) if a < len(lengths) else 0,
                          first_doc=a, seq_len=seq_len, max_segments=max_segments)
              for a, b in zip(bounds, bounds[1:])]
@@ -170,11 +175,11 @@ class PackedText:
     def _unit(self, at: Cursor, lengths: np.ndarray) -> None:
         """A unit's documents (from document at.doc, at global token at.token) were read."""
         lengths = np.asarray(lengths, np.int64)
-        starts = at.token + exclusive_cumsum(lengths)
+        ends = at.token + np.cumsum(lengths)
         first = 0
-        for j in np.flatnonzero(window_closes(starts, lengths, self.plan.window_tokens)).tolist():
+        for j in window_ends(ends, self.open_cursor.token, self.plan.window_tokens):
             self.open.append(lengths[first:j + 1])
-            end = int(starts[j] + lengths[j])
+            end = int(ends[j])
             after = (Cursor(at.unit, at.doc + j + 1, end) if j + 1 < len(lengths)
                      else Cursor(at.unit + 1, 0, end))
             self._close(after)
