@@ -36,8 +36,8 @@ from tokenmill.streaming.order import look_ahead
 from tokenmill.streaming.plan import (STATE_VERSION, Cursor, OrderSettings, StreamPlan,
                                       cursor_check, load_stream_tokenizer, plan_stream,
                                       resolve_stream_workers)
-from tokenmill.streaming.producer import (BatchSlice, Producer, StartAt, StepReady, StreamFailed,
-                                          StreamStats)
+from tokenmill.streaming.producer import (READY_BATCHES, BatchSlice, Producer, StartAt, StepReady,
+                                          StreamFailed, StreamStats)
 from tokenmill.streaming.rows import pass_length
 from tokenmill.tokenizer import Tokenizer
 
@@ -90,6 +90,7 @@ class StreamLoader:
         self._plan, self._tok, self._part = plan, tokenizer, part
         self._consumed, self._hint, self._pass_samples = 0, None, None
         self._stats = StreamStats()
+        self.ready_batches = READY_BATCHES  # batches the producer assembles ahead
         self._producer: list[Producer | None] = [None]  # shared with the finalizer
         self._error: BaseException | None = None
         self._closed = False
@@ -102,6 +103,11 @@ class StreamLoader:
     def num_workers(self) -> int:
         """Tokenizing worker processes (0: tokenize in the loader's thread)."""
         return self._plan.num_workers
+
+    @property
+    def plan(self) -> StreamPlan:
+        """What the pass depends on (inputs, options, order, layout, cache place)."""
+        return self._plan
 
     @property
     def store_path(self):
@@ -155,7 +161,8 @@ class StreamLoader:
             if self._producer[0] is None:
                 self._producer[0] = Producer(
                     self._plan, self._tok, self._part,
-                    StartAt(self._consumed, self._hint, self._pass_samples), self._stats)
+                    StartAt(self._consumed, self._hint, self._pass_samples), self._stats,
+                    self.ready_batches)
             msg = self._producer[0].get()
             if isinstance(msg, StreamFailed):
                 self._error = msg.error

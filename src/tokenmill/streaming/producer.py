@@ -170,9 +170,9 @@ class Producer:
     batches, each with the state after it; then the store's later epochs."""
 
     def __init__(self, plan: StreamPlan, tokenizer: Tokenizer, part: BatchSlice, start: StartAt,
-                 stats: StreamStats):
+                 stats: StreamStats, ready: int = READY_BATCHES):
         self.plan, self.tok, self.part, self.start, self.stats = plan, tokenizer, part, start, stats
-        self.out = Ready(READY_BATCHES)
+        self.out = Ready(ready)
         self.stop = threading.Event()
         self.epochs: StoreEpochs | None = None
         self.thread = threading.Thread(target=self._run, daemon=True, name="tokenmill-stream")
