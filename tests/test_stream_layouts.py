@@ -270,3 +270,138 @@ def test_packed_refusals(corpus, tmp_path):
     with make(root, tmp_path / "d", pack_window=7) as b, pytest.raises(ConfigError,
                                                                        match="fingerprint"):
         b.load_state_dict(a.state_dict())
+
+
+# ---- mixtures of text sources --------------------------------------------------------------------
+
+NAMES = ("web", "code", "mail")
+PHASES = [(0, {"web": 0.6, "code": 0.4}), (24, {"web": 0.2, "code": 0.3, "mail": 0.5}),
+          (56, {"mail": 1.0})]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Three text sources of different content, one folder each."""
+    root = tmp_path_factory.mktemp("sources")
+    for name, pattern in zip(NAMES, ("*.py", "json/*.py", "email/*.py")):
+        (root / name).mkdir()
+        write_jsonl(root / name / "docs.jsonl", documents(6_000, pattern, long_every=5))
+    return {name: str(root / name) for name in NAMES}
+
+
+def mixed(sources, cache, **kw):
+    args = dict(tokenizer="bytes", seq_len=L, batch_size=B, cache_dir=cache, seed=0,
+                num_workers=0, shuffle_buffer=S, mixture=PHASES, **OPTS)
+    args.update(kw)
+    return Loader.from_text(sources, **args)
+
+
+def mixed_reference(sources, tmp_path, steps, *, world_size=1, **kw):
+    """Global batches built from each source streamed alone: position p is draw d of source s
+    by the store Loader's schedule, and draw d is sample d of that source's own stream."""
+    from tokenmill.sampler import assign_phased, phased_schedule
+    gb = B * world_size
+    phases = phased_schedule([(p, [w.get(n, 0.0) for n in NAMES]) for p, w in PHASES])
+    sid, draw = assign_phased(phases, np.arange(steps * gb))
+    alone = {}
+    for s, name in enumerate(NAMES):
+        n = int(draw[sid == s].max(initial=-1)) + 1
+        args = dict(tokenizer="bytes", seq_len=L, batch_size=1, seed=0, num_workers=0,
+                    shuffle_buffer=S, cache_dir=tmp_path / f"alone-{name}", **OPTS)
+        args.update(kw)
+        with Loader.from_text([sources[name]], **args) as ld:
+            alone[s] = take(ld, n)
+    rows = [alone[s][d] for s, d in zip(sid.tolist(), draw.tolist())]
+    return [{k: np.concatenate([r[k] for r in rows[j * gb:(j + 1) * gb]]) for k in rows[0]}
+            for j in range(steps)]
+
+
+@pytest.mark.parametrize("layout", ["concat", "packed"])
+def test_a_mixture_equals_its_sources_streamed_alone_on_every_rank(sources, tmp_path, layout):
+    kw = {} if layout == "concat" else dict(layout="packed", pack_window=4)
+    steps = 20  # across both phase boundaries (global samples 24 and 56 with 2 ranks × 4)
+    ref = mixed_reference(sources, tmp_path, steps, world_size=2, **kw)
+    for rank in (0, 1):
+        with mixed(sources, tmp_path / f"mix{rank}", rank=rank, world_size=2, **kw) as ld:
+            got = take(ld, steps)
+            state = ld.state_dict()
+        for j, b in enumerate(got):
+            want = {k: v[rank * B:(rank + 1) * B] for k, v in ref[j].items()}
+            assert same(b, want), (rank, j)
+    with mixed(sources, tmp_path / "one", batch_size=2 * B, world_size=1, rank=0, **kw) as one:
+        assert all(same(x, y) for x, y in zip(take(one, 5), ref[:5]))  # one rank, the same
+        state1 = json.loads(json.dumps(one.state_dict()))
+    with mixed(sources, tmp_path / "two", rank=1, world_size=2, **kw) as two:
+        two.load_state_dict(state1)  # resumed on another world size
+        assert all(same(x, {k: v[B:] for k, v in y.items()}) for x, y in zip(take(two, 9), ref[5:]))
+    # each source's cursor: its draws so far, whatever the phases
+    assert {n: state["sources"][n]["consumed_samples"] for n in NAMES} == \
+        {"web": 21, "code": 19, "mail": 120}  # 0.6·24 + 0.2·32, 0.4·24 + 0.3·32, 0.5·32 + 104
+    assert state["mixture"] == [[0, {"web": 0.6, "code": 0.4}],
+                                [24, {"web": 0.2, "code": 0.3, "mail": 0.5}], [56, {"mail": 1.0}]]
+
+
+@pytest.mark.parametrize("layout", ["concat", "packed"])
+def test_a_mixture_resumes_exactly_at_every_step_across_phase_boundaries(sources, tmp_path,
+                                                                          layout):
+    kw = {} if layout == "concat" else dict(layout="packed", pack_window=4)
+    caches = iter(range(1000))
+    assert_resumes_exactly(lambda: mixed(sources, tmp_path / f"c{next(caches)}", **kw), 17)
+
+
+def test_a_mixture_resumes_with_process_workers_in_a_fresh_process(sources, tmp_path):
+    with mixed(sources, tmp_path / "a") as a:
+        ref = take(a, 20)
+    with mixed(sources, tmp_path / "b") as b:
+        take(b, 6)  # the next batch straddles the phase boundary at 24
+        (tmp_path / "state.json").write_text(json.dumps(b.state_dict()))
+    script = tmp_path / "resume.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, numpy as np, tokenmill
+        ld = tokenmill.Loader.from_text({sources!r}, tokenizer="bytes", seq_len={L},
+            batch_size={B}, cache_dir={str(tmp_path / "b")!r}, num_workers=2, shuffle_buffer={S},
+            mixture={PHASES!r}, unit_bytes=2500, shard_tokens=15_000)
+        ld.load_state_dict(json.load(open({str(tmp_path / "state.json")!r})))
+        np.save({str(tmp_path / "out.npy")!r},
+                np.stack([b["inputs"].copy() for _, b in zip(range(14), ld)]))
+        ld.close()
+    """))
+    subprocess.run([sys.executable, str(script)], check=True, timeout=60)
+    got = np.load(tmp_path / "out.npy")
+    assert all(np.array_equal(got[j], ref[6 + j]["inputs"]) for j in range(14))
+
+
+def test_future_phases_may_change_past_ones_may_not(sources, tmp_path):
+    with mixed(sources, tmp_path / "a") as a:
+        take(a, 8)  # 32 samples: phase 1 (from 24) has begun, phase 2 (from 56) has not
+        state = json.loads(json.dumps(a.state_dict()))
+        ref = take(a, 8)
+    edited = PHASES[:2] + [(64, {"web": 1.0})]
+    with mixed(sources, tmp_path / "b", mixture=edited) as b:
+        b.load_state_dict(state)
+        got = take(b, 8)
+    assert all(same(x, y) for x, y in zip(got[:6], ref[:6]))  # the same up to sample 56
+    assert not same(got[6], ref[6])  # then as edited: phase 1 goes on to 64
+    for past in ([(0, {"web": 0.6, "code": 0.4}), (20, PHASES[1][1])],
+                 [(0, {"web": 0.5, "code": 0.5}), *PHASES[1:]]):
+        with mixed(sources, tmp_path / "c", mixture=past) as c, \
+                pytest.raises(ConfigError, match=r"phase [01] .*started before"):
+            c.load_state_dict(state)
+    bad = json.loads(json.dumps(state))
+    bad["sources"]["web"] = json.loads(json.dumps(state["sources"]["code"]))
+    with mixed(sources, tmp_path / "d") as d, pytest.raises(ConfigError):
+        d.load_state_dict(bad)
+
+
+def test_fixed_weights_spelling_and_refusals(sources, tmp_path):
+    weights = {sources["web"]: 3.0, sources["code"]: 1.0}
+    with Loader.from_text(weights, tokenizer="bytes", seq_len=L, batch_size=B, num_workers=0,
+                          cache_dir=tmp_path / "w", shuffle_buffer=S, **OPTS) as ld:
+        take(ld, 4)
+        state = ld.state_dict()
+    assert [state["sources"][n]["consumed_samples"] for n in weights] == [12, 4]
+    with pytest.raises(ConfigError, match="named text sources"):
+        Loader.from_text(sources["web"], tokenizer="bytes", seq_len=L, batch_size=B,
+                         cache_dir=tmp_path / "x", mixture=PHASES)
+    with pytest.raises(ConfigError, match="names store 'news'"):
+        mixed(sources, tmp_path / "x", mixture=[(0, {"news": 1.0})])
