@@ -10,12 +10,16 @@ and each window's documents are packed on their own by that same function:
   pure function of the document lengths, and a resume at a window's start finds the same ones;
 - the pass's rows are the rows of window 0, then those of window 1, …: row i of the pass is a
   pure function of (inputs, tokenizer, options, seq_len, max_segments, pack_window, i);
-- a document is split only if it is longer than a row (the store rule), never at a window edge.
+- a document is split only if it is longer than a row (the store rule), never at a window edge;
+- best-fit decreasing makes the rows of long documents first, so a window's rows are put in the
+  order of a permutation keyed by (seed, the window's first token) (``shuffled_rows``) before
+  the shuffle buffer mixes them further.
 
     pass_layout(np.array([3, 2, 4]), seq_len=4, window=5).row_ptr.tolist() == [0, 1, 2]
 
 With a window larger than the input (pack_window · (seq_len + 1) > its tokens) the pass's rows
-are exactly ``pack_documents`` of all documents: the store Loader's packed rows.
+are exactly the rows of ``pack_documents`` of all documents — the store Loader's packed rows —
+in another order.
 
 ``PackedText`` packs from the text (on top of ``windows.TextWindows``); ``StoreRows`` reads the
 same rows back from the complete cache store. Both are ``WindowSource``s of packed rows.
@@ -31,10 +35,12 @@ import numpy as np
 
 from tokenmill import pack
 from tokenmill.errors import ConfigError
-from tokenmill.sampler import exclusive_cumsum
+from tokenmill.sampler import epoch_permutation, exclusive_cumsum, ranges
 from tokenmill.store.reader import TokenStore
 from tokenmill.streaming.plan import Cursor, StreamPlan
 from tokenmill.streaming.windows import TextWindows
+
+ROW_SALT = 0x726F7773  # "rows": separates the order of a window's rows from other permutations
 
 
 def window_ends(ends: np.ndarray, open_start: int, window: int) -> list[int]:
@@ -50,28 +56,41 @@ def window_ends(ends: np.ndarray, open_start: int, window: int) -> list[int]:
     return out
 
 
+def shuffled_rows(layout: pack.PackedLayout, *, seed: int, key: int) -> pack.PackedLayout:
+    """The same rows in the order of a permutation keyed by (seed, key)."""
+    n = layout.num_rows
+    order = epoch_permutation(max(n, 1), seed=seed, epoch=key, salt=ROW_SALT)(np.arange(n))
+    counts = np.diff(layout.row_ptr)[order]
+    seg = ranges(layout.row_ptr[order], counts)
+    return dataclasses.replace(
+        layout, row_ptr=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+        seg_start=layout.seg_start[seg], seg_len=layout.seg_len[seg], seg_doc=layout.seg_doc[seg])
+
+
 def pack_window(lengths: np.ndarray, *, first_token: int, first_doc: int, seq_len: int,
-                max_segments: int | None) -> pack.PackedLayout:
+                max_segments: int | None, seed: int | None = None) -> pack.PackedLayout:
     """One window's documents packed as the store packs (``pack_documents``), placed at global
-    token ``first_token`` and document ``first_doc``."""
+    token ``first_token`` and document ``first_doc``; rows shuffled unless ``seed`` is None."""
     layout = pack.pack_documents(np.asarray(lengths, np.int64), seq_len, max_segments)
     moved = dataclasses.replace(layout, seg_start=layout.seg_start + first_token,
                                 seg_doc=layout.seg_doc + first_doc)
-    for a in (moved.seg_start, moved.seg_doc):
+    if seed is not None:
+        moved = shuffled_rows(moved, seed=seed, key=first_token)
+    for a in (moved.row_ptr, moved.seg_start, moved.seg_len, moved.seg_doc):
         a.flags.writeable = False
     return moved
 
 
 def pass_layout(doc_lengths: np.ndarray, *, seq_len: int, window: int,
-                max_segments: int | None = None) -> pack.PackedLayout:
-    """The pass's packed rows over all documents: each packing window packed on its own, the
-    windows' rows one after the other (see the module docstring)."""
+                max_segments: int | None = None, seed: int | None = None) -> pack.PackedLayout:
+    """The pass's packed rows over all documents: each packing window packed on its own (its
+    rows shuffled by ``seed``, unless None), the windows' rows one after the other."""
     lengths = np.asarray(doc_lengths, np.int64)
     starts = exclusive_cumsum(lengths)
     cuts = [j + 1 for j in window_ends(starts + lengths, 0, window)]
     bounds = sorted({0, *cuts, len(lengths)})
     parts = [pack_window(lengths[a:b], first_token=int(starts[a]) if a < len(lengths) else 0,
-                         first_doc=a, seq_len=seq_len, max_segments=max_segments)
+                         first_doc=a, seq_len=seq_len, max_segments=max_segments, seed=seed)
              for a, b in zip(bounds, bounds[1:])]
     if not parts:
         parts = [pack.pack_documents(lengths, seq_len, max_segments)]
@@ -89,7 +108,7 @@ def pass_layout(doc_lengths: np.ndarray, *, seq_len: int, window: int,
 def store_pass_layout(plan: StreamPlan, store: TokenStore) -> pack.PackedLayout:
     """The pass's packed rows of the complete cache store ``store``."""
     return pass_layout(store.doc_lengths, seq_len=plan.seq_len, window=plan.window_tokens,
-                       max_segments=plan.order_settings.max_segments)
+                       max_segments=plan.order_settings.max_segments, seed=plan.seed)
 
 
 def pass_length(plan: StreamPlan, store: TokenStore) -> int:
@@ -192,7 +211,7 @@ class PackedText:
         lengths = np.concatenate(self.open) if self.open else np.zeros(0, np.int64)
         start = self.open_cursor
         layout = pack_window(lengths, first_token=start.token, first_doc=0,
-                             seq_len=self.plan.seq_len,
+                             seq_len=self.plan.seq_len, seed=self.plan.seed,
                              max_segments=self.plan.order_settings.max_segments)
         if layout.num_rows:
             self.done.append(Packed(self.rows, layout, start._replace(row=self.rows)))
