@@ -133,6 +133,7 @@ def test_packed_pass_equals_the_reference_then_the_store_loader(corpus, tmp_path
     with make(root, tmp_path / "cache", num_workers=1) as ld:
         got = take(ld, steps)
         assert ld.pass_samples == n and ld.config.layout == "packed"
+        assert 0 < ld.buffer_peak_tokens <= ld.buffer_bytes() // 2  # uint16 tokens
         store = ld.store_path
     for j, b in enumerate(got[:n // B]):
         assert same(b, packed_rows(layout, stream, order[j * B:(j + 1) * B])), f"step {j}"
@@ -405,3 +406,18 @@ def test_fixed_weights_spelling_and_refusals(sources, tmp_path):
                          cache_dir=tmp_path / "x", mixture=PHASES)
     with pytest.raises(ConfigError, match="names store 'news'"):
         mixed(sources, tmp_path / "x", mixture=[(0, {"news": 1.0})])
+
+
+@pytest.mark.parametrize("block", [1, 2])  # docs/streaming.md: packed rows, a mixture
+def test_the_docs_examples_run_as_scripts(tmp_path, block):
+    import re
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "streaming.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", doc, re.S)[block]
+    (tmp_path / "example.py").write_text(code)
+    res = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    want = ("['inputs', 'loss_mask', 'positions', 'segment_ids', 'targets']" if block == 1
+            else "{'web': 480, 'code': 112, 'mail': 48}")
+    assert res.stdout.strip() == want

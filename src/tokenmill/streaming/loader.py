@@ -192,13 +192,17 @@ class StreamLoader:
 
     def buffer_bytes(self) -> int:
         """Bytes of tokens the pass holds at most: the shuffle buffer and look-ahead, (S + 2Δ + 2)
-        windows, plus two units held and the units in flight (a unit of unit_bytes of text is at
-        most unit_bytes tokens with a byte-level tokenizer, plus its longest line), in the store's
-        token dtype. Ready batches (8) and the workers' memory come on top (docs/streaming.md)."""
+        windows (packed: rows of seq_len + 1, plus two packing windows: the oldest row's and the
+        one being read, each up to a document longer than W), plus two units held and the units
+        in flight (a unit of unit_bytes of text is at most unit_bytes tokens with a byte-level
+        tokenizer, plus its longest line), in the store's token dtype. Ready batches (8) and the
+        workers' memory come on top (docs/streaming.md)."""
         p = self._plan
         delta = look_ahead(self.global_batch_size, p.shuffle_buffer)
         units = (UNITS_PER_WORKER * p.num_workers + 3) * p.config.unit_bytes
-        return ((p.shuffle_buffer + 2 * delta + 2) * p.seq_len + units) * p.dtype.itemsize
+        window = 2 * p.window_tokens if p.packed else 0
+        return ((p.shuffle_buffer + 2 * delta + 2) * (p.seq_len + p.packed) + window + units) \
+            * p.dtype.itemsize
 
     @property
     def buffer_peak_tokens(self) -> int:
