@@ -254,6 +254,43 @@ def test_packed_resume_in_a_fresh_process(corpus, tmp_path):
         assert same({k: got[f"{j}/{k}"] for k in ref[11 + j]}, ref[11 + j]), j
 
 
+def test_packed_ranks_take_slices_of_the_global_batch(corpus, tmp_path):
+    root, _ = corpus
+    with make(root, tmp_path / "one", batch_size=2 * B) as one:
+        want = take(one, 6)
+    for rank in (0, 1):
+        with make(root, tmp_path / "two", rank=rank, world_size=2) as ld:
+            got = take(ld, 6)
+        assert all(same(g, {k: v[rank * B:(rank + 1) * B] for k, v in w.items()})
+                   for g, w in zip(got, want))
+
+
+def test_packed_resume_on_a_partial_cache_written_less_far(corpus, tmp_path, monkeypatch):
+    from tokenmill.streaming import units
+    init = units.UnitResults.__init__
+    root, _ = corpus
+    small = dict(shard_tokens=3_000)  # shards committed early: the cache's writer has a cursor
+    with make(root, tmp_path / "partial", **small) as a:
+        take(a, 2)
+    assert list((a.store_path / ".progress").glob("shard-*.json"))  # committed: a cursor > 0
+    with make(root, tmp_path / "far", **small) as b:
+        take(b, 60)
+        state = b.state_dict()
+        ref = take(b, 10)
+    assert state["resume_from"]["row"] > 0
+    with make(root, tmp_path / "partial", **small) as c:  # its writer is behind the hint
+        c.load_state_dict(state)
+        firsts = []
+        monkeypatch.setattr(units.UnitResults, "__init__", lambda self, *a, first, **k: (
+            firsts.append(first), init(self, *a, first=first, **k))[1])
+        assert all(same(x, y) for x, y in zip(take(c, 10), ref))
+        assert firsts == [0]  # read from the start: the rows before the writer's cursor
+        take(c, 400)  # on to the end of the pass: the partial cache is finished …
+    prepare([str(root)], out=tmp_path / "prepared", tokenizer="bytes", workers=1,
+            progress=False, **{**OPTS, **small})
+    assert store_bytes(c.store_path) == store_bytes(tmp_path / "prepared")  # … as prepare makes it
+
+
 def test_packed_refusals(corpus, tmp_path):
     root, _ = corpus
     with pytest.raises(ConfigError, match="max_segments"):
@@ -404,6 +441,10 @@ def test_fixed_weights_spelling_and_refusals(sources, tmp_path):
     with pytest.raises(ConfigError, match="named text sources"):
         Loader.from_text(sources["web"], tokenizer="bytes", seq_len=L, batch_size=B,
                          cache_dir=tmp_path / "x", mixture=PHASES)
+    with pytest.raises(ConfigError, match="same inputs"):
+        Loader.from_text({"a": sources["web"], "b": sources["web"]}, tokenizer="bytes",
+                         seq_len=L, batch_size=B, cache_dir=tmp_path / "x",
+                         mixture=[(0, {"a": 1.0, "b": 1.0})])
     with pytest.raises(ConfigError, match="names store 'news'"):
         mixed(sources, tmp_path / "x", mixture=[(0, {"news": 1.0})])
 

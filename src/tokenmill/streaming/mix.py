@@ -73,6 +73,12 @@ def open_mixture(inputs: Mapping, *, mixture: Sequence | None, batch_size: int,
         for item in items:
             sources.append(open_stream(item, batch_size=1, rank=0, world_size=1,
                                        num_workers=each, **kwargs))
+        same = [(a, b) for i, a in enumerate(sources) for b in sources[:i]
+                if a.store_path == b.store_path]
+        if same:  # one cache, one writer: the slower source would wait for the other forever
+            a, b = (mix.names[sources.index(x)] for x in same[0])
+            raise ConfigError(f"sources {b!r} and {a!r} are the same inputs read with the same "
+                              "options: make them one source (its weight the sum of theirs)")
     except BaseException:
         for s in sources:
             s.close()
