@@ -214,12 +214,12 @@ def test_packed_resume_with_process_workers_and_from_the_cache(corpus, tmp_path)
         ref = take(ld, 40)
         while not (ld.store_path / "manifest.json").exists():  # to the end of the pass
             take(ld, 20)
-    for k in (3, 17):
-        with make(root, tmp_path / f"a{k}", num_workers=1) as a:
+    for k, saved_by, resumed_by in ((3, 0, 2), (17, 1, 0)):  # worker processes or none
+        with make(root, tmp_path / f"a{k}", num_workers=saved_by) as a:
             take(a, k)
             state = json.loads(json.dumps(a.state_dict()))
         assert "row" in state["resume_from"]
-        with make(root, tmp_path / f"b{k}", num_workers=2) as b:  # from the text
+        with make(root, tmp_path / f"b{k}", num_workers=resumed_by) as b:  # from the text
             b.load_state_dict(state)
             assert all(same(x, y) for x, y in zip(take(b, 40 - k), ref[k:]))
         with make(root, tmp_path / "ref", num_workers=0) as c:  # from the complete cache
