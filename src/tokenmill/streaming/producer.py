@@ -293,10 +293,8 @@ class Producer:
         B = self.part.batch_size
         out = new_batch(self.plan, B)
         q = self.part.rank * B + np.arange(B)
-        for row, j in enumerate(q.tolist()):
-            if j < len(windows):
-                source.copy(int(windows[j]), out, row)
         late = q >= len(windows)
+        source.copy(np.asarray(windows, np.int64)[q[~late]], out, np.flatnonzero(~late))
         if late.any():  # the global batch runs past the end of the pass: epoch 1 of the store
             other = self._store_epochs(n, measured=True).batch_at(k)
             for name in out:

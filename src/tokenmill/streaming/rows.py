@@ -27,7 +27,6 @@ same rows back from the complete cache store. Both are ``WindowSource``s of pack
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 from typing import NamedTuple
 
@@ -129,10 +128,6 @@ def new_batch(plan: StreamPlan, batch_size: int) -> dict[str, np.ndarray]:
     return out
 
 
-def fill_row(layout: pack.PackedLayout, i: int, read, out: dict[str, np.ndarray],
-             row: int) -> None:
-    """Row ``i`` of ``layout`` (tokens from ``read(start, stop)``) into row ``row`` of ``out``."""
-    pack.fill_packed_rows(layout, np.array([i], np.int64), read, out, np.array([row], np.int64))
 
 
 class StoreRows:
@@ -148,9 +143,9 @@ class StoreRows:
         """Every row is there already; a shard whose background checksum failed is raised."""
         self.store.check()
 
-    def copy(self, window: int, out: dict[str, np.ndarray], row: int) -> None:
-        """Packed row ``window`` of the pass from the store's memory map."""
-        fill_row(self.layout, window, self.store.tokens, out, row)
+    def copy(self, windows: np.ndarray, out: dict[str, np.ndarray], rows: np.ndarray) -> None:
+        """Packed rows ``windows`` of the pass from the store's memory map into rows ``rows``."""
+        pack.fill_packed_rows(self.layout, windows, self.store.tokens, out, rows)
 
     def release(self, window: int) -> None:
         """Nothing is held."""
@@ -235,12 +230,16 @@ class PackedText:
         """Read to the end of the input."""
         self.confirm(1 << 62)
 
-    def copy(self, window: int, out: dict[str, np.ndarray], row: int) -> None:
-        """Packed row ``window`` of the pass into row ``row`` of the batch arrays."""
-        p = self.done[bisect.bisect_right(self.firsts, window) - 1]
-        assert p.first_row <= window < p.first_row + p.layout.num_rows, \
-            f"row {window} was released"
-        fill_row(p.layout, window - p.first_row, self.text.tokens, out, row)
+    def copy(self, windows: np.ndarray, out: dict[str, np.ndarray], rows: np.ndarray) -> None:
+        """Packed rows ``windows`` of the pass into rows ``rows`` of the batch arrays: one fill
+        per packing window they come from."""
+        at = np.searchsorted(np.array(self.firsts, np.int64), windows, side="right") - 1
+        assert (at >= 0).all(), f"rows {windows[at < 0].tolist()} were released"
+        for i in np.unique(at).tolist():
+            p, sel = self.done[i], at == i
+            local = windows[sel] - p.first_row
+            assert (local < p.layout.num_rows).all(), "a row past its packing window"
+            pack.fill_packed_rows(p.layout, local, self.text.tokens, out, rows[sel])
 
     def release(self, window: int) -> None:
         """Forget the packing windows whose rows all come before row ``window``, and the units

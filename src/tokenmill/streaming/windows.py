@@ -10,7 +10,7 @@ come needs:
 - ``StoreWindows`` reads the same windows from the complete cache store, tokenizing nothing.
 
     source.confirm(t)            # windows [0, t) complete (or the input ended: num_windows set)
-    source.copy(i, out, row)     # window i into row `row` of the batch arrays
+    source.copy(ids, out, rows)  # windows ids[j] into rows rows[j] of the batch arrays
     source.release(i)            # no window before window i is needed any more
     source.resume_from(i)        # the latest Cursor from which reading sees window i again
 
@@ -43,8 +43,8 @@ class WindowSource(Protocol):
     def confirm(self, windows: int) -> None:
         """Make windows [0, windows) available, or learn that the pass has fewer."""
 
-    def copy(self, window: int, out: dict[str, np.ndarray], row: int) -> None:
-        """Write window ``window`` into row ``row``: inputs, and targets shifted by one."""
+    def copy(self, windows: np.ndarray, out: dict[str, np.ndarray], rows: np.ndarray) -> None:
+        """Write window ``windows[j]`` into row ``rows[j]``: inputs, and targets shifted by one."""
 
     def release(self, window: int) -> None:
         """Forget what no window from ``window`` on needs."""
@@ -75,10 +75,11 @@ class StoreWindows:
         """Every window is there already; a shard whose background checksum failed is raised."""
         self.store.check()
 
-    def copy(self, window: int, out: dict[str, np.ndarray], row: int) -> None:
-        """Window ``window`` from the store's memory map."""
-        s = self.plan.window_start(window)
-        copy_window(self.store.tokens(s, s + self.plan.seq_len + 1), out, row)
+    def copy(self, windows: np.ndarray, out: dict[str, np.ndarray], rows: np.ndarray) -> None:
+        """Windows ``windows`` from the store's memory map into rows ``rows``."""
+        for window, row in zip(windows.tolist(), rows.tolist()):
+            s = self.plan.window_start(window)
+            copy_window(self.store.tokens(s, s + self.plan.seq_len + 1), out, row)
 
     def release(self, window: int) -> None:
         """Nothing is held."""
@@ -158,10 +159,11 @@ class TextWindows:
                               f"(concat windows need at least {2 * L:,})")
         self.num_windows = pack.concat_num_samples(total, L)
 
-    def copy(self, window: int, out: dict[str, np.ndarray], row: int) -> None:
-        """Window ``window`` into row ``row`` of the batch: inputs, and targets shifted by one."""
-        s = self.plan.window_start(window)
-        copy_window(self.tokens(s, s + self.plan.seq_len + 1), out, row)
+    def copy(self, windows: np.ndarray, out: dict[str, np.ndarray], rows: np.ndarray) -> None:
+        """Windows ``windows`` into rows ``rows``: inputs, and targets shifted by one."""
+        for window, row in zip(windows.tolist(), rows.tolist()):
+            s = self.plan.window_start(window)
+            copy_window(self.tokens(s, s + self.plan.seq_len + 1), out, row)
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Global tokens [start, stop) of the units held (a view when one unit holds them)."""
