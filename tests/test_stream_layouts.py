@@ -427,8 +427,20 @@ def test_future_phases_may_change_past_ones_may_not(sources, tmp_path):
             c.load_state_dict(state)
     bad = json.loads(json.dumps(state))
     bad["sources"]["web"] = json.loads(json.dumps(state["sources"]["code"]))
-    with mixed(sources, tmp_path / "d") as d, pytest.raises(ConfigError):
+    with mixed(sources, tmp_path / "d") as d, pytest.raises(ConfigError, match="fingerprint"):
         d.load_state_dict(bad)
+
+
+def test_a_mixture_state_rewound_by_a_wrapper_resumes_exactly(sources, tmp_path):
+    with mixed(sources, tmp_path / "a") as a:
+        ref = take(a, 12)
+    with mixed(sources, tmp_path / "c") as c:
+        take(c, 9)  # a device wrapper took 3 batches ahead: its state says 6 steps
+        state = {**c.state_dict(), "consumed_samples": 6 * B}
+    with mixed(sources, tmp_path / "c") as d:
+        d.load_state_dict(state)
+        assert [s.consumed_samples for s in d.sources] == [15, 9, 0]  # 0.6·24, 0.4·24
+        assert all(same(x, y) for x, y in zip(take(d, 6), ref[6:]))
 
 
 def test_fixed_weights_spelling_and_refusals(sources, tmp_path):
