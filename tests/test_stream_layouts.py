@@ -188,7 +188,8 @@ def test_packed_metadata_describes_whole_documents(corpus, tmp_path):
                 piece = row[at[0]:at[-1] + 1 + int(b["loss_mask"][r][at[-1]])]
                 assert (b["loss_mask"][r][at[:-1]] == 1).all()
                 pieces.append(piece)
-            assert (b["loss_mask"][r][seg == 0] == 0).all() and (b["inputs"][r][seg == 0] == 0).all()
+            pad = seg == 0
+            assert (b["loss_mask"][r][pad] == 0).all() and (b["inputs"][r][pad] == 0).all()
         cu = varlen_args(b["segment_ids"]).cu_seqlens
         assert cu[-1] == B * L and (np.diff(cu) > 0).all()
     whole = Counter(tuple(t) for t in tokens_of(docs) if len(t) <= L + 1)

@@ -70,7 +70,8 @@ class OrderSettings:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1 (got {name}={value!r})")
         if self.layout not in STREAM_LAYOUTS:
-            raise ConfigError(f"layout must be one of {STREAM_LAYOUTS} (got layout={self.layout!r})")
+            raise ConfigError(f"layout must be one of {STREAM_LAYOUTS} "
+                              f"(got layout={self.layout!r})")
         m = self.max_segments
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1
                               or self.layout != "packed"):

@@ -239,7 +239,8 @@ class Producer:
         if writer is not None:  # after the hint: on a tie, the hint (it knows its row) wins
             starts.append(writer.resume_cursor)
         start = min(starts, key=lambda c: (c.token, c.unit, c.doc))
-        if plan.packed and start.row == 0 and start.token > 0:
+        rows = plan.packed and k is not None  # finishing the cache alone needs no rows
+        if rows and start.row == 0 and start.token > 0:
             start = START  # the rows before a writer's cursor are unknown: pack from the start
         try:
             units = UnitResults(plan, self.tok, first=start.unit, stop=self.stop,
@@ -249,7 +250,7 @@ class Producer:
                 writer.abort()  # release the cache for another process
             raise
         text = TextWindows(plan, start, writer, units, self.stop)
-        return PackedText(plan, text, start) if plan.packed else text
+        return PackedText(plan, text, start) if rows else text
 
     def _start_time(self, source: WindowSource, k: int) -> int:
         """When sample k leaves the buffer; reads far enough to know whether the pass ends first."""
