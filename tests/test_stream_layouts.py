@@ -88,6 +88,20 @@ def same(a, b):
 
 # ---- the packing windows (pure) ------------------------------------------------------------------
 
+def test_golden_packing_windows_seed_0():
+    # Only update if you mean to break users' reproducibility: the pass's packed rows, seed 0.
+    # ends 3 10 12 17 18 22 28 30 33 42: windows of W = 10 close at 10, 22 (>= 20), 33 (>= 32)
+    lengths = np.array([3, 7, 2, 5, 1, 4, 6, 2, 3, 9])
+    plain = pass_layout(lengths, seq_len=4, window=10)
+    assert plain.row_ptr.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 10, 11, 12, 13]
+    assert plain.seg_start.tolist() == [3, 0, 7, 12, 18, 17, 10, 22, 30, 26, 28, 33, 37]
+    assert plain.seg_len.tolist() == [5, 3, 3, 5, 4, 1, 2, 5, 3, 2, 2, 5, 5]
+    rows = pass_layout(lengths, seq_len=4, window=10, seed=0)  # each window's rows permuted
+    assert rows.row_ptr.tolist() == [0, 1, 2, 3, 5, 6, 7, 8, 10, 11, 12, 13]
+    assert rows.seg_start.tolist() == [0, 3, 7, 18, 17, 12, 10, 28, 30, 26, 22, 37, 33]
+    assert rows.seg_len.tolist() == [3, 5, 3, 4, 1, 5, 2, 2, 3, 2, 5, 5, 5]
+
+
 def test_a_window_larger_than_the_input_is_the_store_layout():
     lengths = np.array([len(t) for t in tokens_of(documents(20_000))])
     whole = pass_layout(lengths, seq_len=L, window=int(lengths.sum()) + 1)
