@@ -9,13 +9,13 @@ and each window's documents are packed on their own by that same function:
   or more (so each window but the last holds W to W + one document's tokens); the windows are a
   pure function of the document lengths, and a resume at a window's start finds the same ones;
 - the pass's rows are the rows of window 0, then those of window 1, …: row i of the pass is a
-  pure function of (inputs, tokenizer, options, seq_len, max_segments, pack_window, i);
+  pure function of (inputs, tokenizer, options, seq_len, max_segments, pack_window, seed, i);
 - a document is split only if it is longer than a row (the store rule), never at a window edge;
 - best-fit decreasing makes the rows of long documents first, so a window's rows are put in the
   order of a permutation keyed by (seed, the window's first token) (``shuffled_rows``) before
   the shuffle buffer mixes them further.
 
-    pass_layout(np.array([3, 2, 4]), seq_len=4, window=5).row_ptr.tolist() == [0, 1, 2]
+    pass_layout(np.array([3, 2, 4]), seq_len=4, window=5).row_ptr.tolist() == [0, 2, 3]
 
 With a window larger than the input (pack_window · (seq_len + 1) > its tokens) the pass's rows
 are exactly the rows of ``pack_documents`` of all documents — the store Loader's packed rows —
