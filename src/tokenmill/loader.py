@@ -176,9 +176,11 @@ class Loader:
         """Streaming mode: batches straight from raw text, no prepare step (a StreamLoader).
 
         Worker processes tokenize ``inputs`` as batches are needed; the first pass is shuffled
-        through a buffer of ``shuffle_buffer`` windows and cached as a store under ``cache_dir``,
-        which later epochs read. ``options`` are ``prepare``'s (text_key, shard_tokens, …).
-        See docs/streaming.md.
+        through a buffer of ``shuffle_buffer`` samples and cached as a store under ``cache_dir``,
+        which later epochs read. ``layout="packed"`` (with ``max_segments``, ``pack_window``)
+        packs documents window by window; ``inputs`` may be named sources with ``mixture=``
+        phases, or ``{inputs: weight}`` (a MixedStreamLoader). Other ``options`` are
+        ``prepare``'s (text_key, shard_tokens, …). See docs/streaming.md.
         """
         return open_stream(inputs, tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size,
                             cache_dir=cache_dir, seed=seed, rank=rank, world_size=world_size,

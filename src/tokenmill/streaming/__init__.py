@@ -12,13 +12,18 @@ One job per module (docs/streaming.md tells the whole story):
 - ``cache``: the cache store written while streaming (one writer, resumable);
 - ``windows``: the ``WindowSource`` protocol and its two sources, the text and the store;
 - ``producer``: the thread that assembles this rank's batches (typed messages);
-- ``loader``: ``StreamLoader``, its state and resume.
+- ``rows``: packed rows, documents packed window by window (``PackedText``, ``StoreRows``);
+- ``loader``: ``StreamLoader``, its state and resume;
+- ``mix``: ``MixedStreamLoader``, a mixture of text sources (each a ``StreamLoader``).
 
-This facade re-exports the names other code used from ``tokenmill.stream``.
+This facade re-exports the names other code used from ``tokenmill.stream``; its ``open_stream``
+is ``mix.open_text``: one text source, or a mixture of them.
 """
 
 from tokenmill.streaming.cache import WAIT_WARNING_S
-from tokenmill.streaming.loader import StreamLoader, open_stream
+from tokenmill.streaming.loader import StreamLoader
+from tokenmill.streaming.mix import MixedStreamLoader
+from tokenmill.streaming.mix import open_text as open_stream
 from tokenmill.streaming.order import (DELAY_TAG, emission_order, emission_time, emitted_before,
                                        window_delays)
 from tokenmill.streaming.plan import DEFAULT_SHUFFLE_BUFFER, STATE_VERSION, Cursor, StreamPlan
@@ -26,7 +31,7 @@ from tokenmill.streaming.producer import READY_BATCHES
 from tokenmill.streaming.windows import WindowSource
 
 __all__ = [
-    "Cursor", "DEFAULT_SHUFFLE_BUFFER", "DELAY_TAG", "READY_BATCHES",
+    "Cursor", "DEFAULT_SHUFFLE_BUFFER", "DELAY_TAG", "MixedStreamLoader", "READY_BATCHES",
     "STATE_VERSION", "StreamLoader", "StreamPlan", "WAIT_WARNING_S", "WindowSource",
     "emission_order", "emission_time", "emitted_before", "open_stream", "window_delays",
 ]

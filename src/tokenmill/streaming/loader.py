@@ -30,13 +30,15 @@ from tokenmill.plan import MAX_CONSUMED, LayoutConfig, resolve_rank
 from tokenmill.prepare.pool import UNITS_PER_WORKER
 from tokenmill.prepare.tokenize import PrepareConfig
 from tokenmill.store.format import read_manifest
+from tokenmill.store.reader import TokenStore
 from tokenmill.streaming.cache import store_complete
 from tokenmill.streaming.order import look_ahead
 from tokenmill.streaming.plan import (STATE_VERSION, Cursor, OrderSettings, StreamPlan,
                                       cursor_check, load_stream_tokenizer, plan_stream,
                                       resolve_stream_workers)
-from tokenmill.streaming.producer import (BatchSlice, Producer, StartAt, StepReady, StreamFailed,
-                                          StreamStats)
+from tokenmill.streaming.producer import (READY_BATCHES, BatchSlice, Producer, StartAt, StepReady,
+                                          StreamFailed, StreamStats)
+from tokenmill.streaming.rows import pass_length
 from tokenmill.tokenizer import Tokenizer
 
 CURSOR_FIELDS = Cursor._fields
@@ -46,11 +48,14 @@ def open_stream(inputs: str | os.PathLike | Sequence, *, tokenizer: str = "bytes
                 batch_size: int, cache_dir: str | os.PathLike, seed: int = 0,
                 rank: int | None = None, world_size: int | None = None,
                 num_workers: int | str = "auto", shuffle_buffer: int | None = None,
-                storage_options: dict | None = None, **options: Any) -> StreamLoader:
+                layout: str = "concat", max_segments: int | None = None,
+                pack_window: int | None = None, storage_options: dict | None = None,
+                **options: Any) -> StreamLoader:
     """A StreamLoader over ``inputs`` (what ``Loader.from_text`` returns); ``options`` are
     prepare's (text_key, txt_mode, on_error, shard_tokens, unit_bytes, add_bos, …)."""
-    order = OrderSettings(seq_len=seq_len, seed=seed,
-                          **({} if shuffle_buffer is None else {"shuffle_buffer": shuffle_buffer}))
+    given = {"shuffle_buffer": shuffle_buffer, "pack_window": pack_window}
+    order = OrderSettings(seq_len=seq_len, seed=seed, layout=layout, max_segments=max_segments,
+                          **{k: v for k, v in given.items() if v is not None})
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
             or batch_size < 1:
         raise ConfigError(f"batch_size must be an int >= 1 (got batch_size={batch_size!r})")
@@ -75,7 +80,9 @@ class StreamLoader:
     """
 
     def __init__(self, plan: StreamPlan, tokenizer: Tokenizer, part: BatchSlice):
-        self.config = LayoutConfig(seq_len=plan.seq_len, layout="concat", seed=plan.seed)
+        o = plan.order_settings
+        self.config = LayoutConfig(seq_len=plan.seq_len, layout=o.layout, seed=plan.seed,
+                                   max_segments=o.max_segments)
         self.rank, self.world_size, self.batch_size = part.rank, part.world_size, part.batch_size
         self.shuffle_buffer = plan.shuffle_buffer
         self.epochs = self.total_steps = None  # streams run until you stop
@@ -83,6 +90,7 @@ class StreamLoader:
         self._plan, self._tok, self._part = plan, tokenizer, part
         self._consumed, self._hint, self._pass_samples = 0, None, None
         self._stats = StreamStats()
+        self.ready_batches = READY_BATCHES  # batches the producer assembles ahead
         self._producer: list[Producer | None] = [None]  # shared with the finalizer
         self._error: BaseException | None = None
         self._closed = False
@@ -95,6 +103,11 @@ class StreamLoader:
     def num_workers(self) -> int:
         """Tokenizing worker processes (0: tokenize in the loader's thread)."""
         return self._plan.num_workers
+
+    @property
+    def plan(self) -> StreamPlan:
+        """What the pass depends on (inputs, options, order, layout, cache place)."""
+        return self._plan
 
     @property
     def store_path(self):
@@ -148,7 +161,8 @@ class StreamLoader:
             if self._producer[0] is None:
                 self._producer[0] = Producer(
                     self._plan, self._tok, self._part,
-                    StartAt(self._consumed, self._hint, self._pass_samples), self._stats)
+                    StartAt(self._consumed, self._hint, self._pass_samples), self._stats,
+                    self.ready_batches)
             msg = self._producer[0].get()
             if isinstance(msg, StreamFailed):
                 self._error = msg.error
@@ -178,13 +192,17 @@ class StreamLoader:
 
     def buffer_bytes(self) -> int:
         """Bytes of tokens the pass holds at most: the shuffle buffer and look-ahead, (S + 2Δ + 2)
-        windows, plus two units held and the units in flight (a unit of unit_bytes of text is at
-        most unit_bytes tokens with a byte-level tokenizer, plus its longest line), in the store's
-        token dtype. Ready batches (8) and the workers' memory come on top (docs/streaming.md)."""
+        windows (packed: rows of seq_len + 1, plus two packing windows: the oldest row's and the
+        one being read, each up to a document longer than W), plus two units held and the units
+        in flight (a unit of unit_bytes of text is at most unit_bytes tokens with a byte-level
+        tokenizer, plus its longest line), in the store's token dtype. Ready batches (8) and the
+        workers' memory come on top (docs/streaming.md)."""
         p = self._plan
         delta = look_ahead(self.global_batch_size, p.shuffle_buffer)
         units = (UNITS_PER_WORKER * p.num_workers + 3) * p.config.unit_bytes
-        return ((p.shuffle_buffer + 2 * delta + 2) * p.seq_len + units) * p.dtype.itemsize
+        window = 2 * p.window_tokens if p.packed else 0
+        return ((p.shuffle_buffer + 2 * delta + 2) * (p.seq_len + p.packed) + window + units) \
+            * p.dtype.itemsize
 
     @property
     def buffer_peak_tokens(self) -> int:
@@ -197,7 +215,8 @@ class StreamLoader:
         """The position (and where reading may restart): small, JSON-able, independent of ranks."""
         resume = None
         if self._hint is not None:
-            resume = {**{f: int(x) for f, x in zip(CURSOR_FIELDS, self._hint)},
+            fields = CURSOR_FIELDS if self._plan.packed else CURSOR_FIELDS[:3]
+            resume = {**{f: int(x) for f, x in zip(fields, self._hint)},
                       "check": cursor_check(self.fingerprint, self._hint)}
         return {"version": STATE_VERSION, "mode": "stream", "fingerprint": self.fingerprint,
                 "consumed_samples": int(self._consumed), "pass_samples": self._pass_samples,
@@ -262,7 +281,7 @@ def check_state(state: Mapping[str, Any],
         raise ConfigError(f"consumed_samples must be an int in [0, 2**63) and pass_samples None "
                           f"or an int > 0 (got consumed_samples={k!r}, pass_samples={n!r})")
     if n is not None and store_complete(plan):
-        have = pack.concat_num_samples(read_manifest(plan.store_dir)["num_tokens"], plan.seq_len)
+        have = pass_samples_of(plan)
         if have != n:
             raise ConfigError(f"pass_samples={n} in the loaded state does not match the pass, "
                               f"which holds {have:,} windows (cache store {plan.store_dir}): the "
@@ -275,10 +294,10 @@ def check_cursor(resume: Any, plan: StreamPlan) -> Cursor | None:
     version: reading starts earlier, never elsewhere); a ConfigError when it contradicts itself."""
     if resume is None or not isinstance(resume, Mapping) or "check" not in resume:
         return None  # no check: nothing ties it to this pass, so it is not even range-checked
-    values = tuple(resume.get(f) for f in CURSOR_FIELDS) if isinstance(resume, Mapping) else ()
-    if (len(values) != 3 or not all(_is_int(x) and x >= 0 for x in values)
-            or values[0] > len(plan.units)):
-        raise ConfigError(f"resume_from must hold ints >= 0 {CURSOR_FIELDS} with unit <= "
+    fields = CURSOR_FIELDS if plan.packed else CURSOR_FIELDS[:3]
+    values = tuple(resume.get(f) for f in fields)
+    if (not all(_is_int(x) and x >= 0 for x in values) or values[0] > len(plan.units)):
+        raise ConfigError(f"resume_from must hold ints >= 0 {fields} with unit <= "
                           f"{len(plan.units)} (got resume_from={resume!r})")
     cursor = Cursor(*map(int, values))
     if resume["check"] != cursor_check(plan.fingerprint, cursor):
@@ -286,6 +305,17 @@ def check_cursor(resume: Any, plan: StreamPlan) -> Cursor | None:
                           "or mixed from another state, and would replay the wrong tokens; "
                           "set resume_from to None to resume by reading from the start")
     return cursor
+
+
+def pass_samples_of(plan: StreamPlan) -> int:
+    """Samples in the pass, from its complete cache store (concat: from the manifest alone)."""
+    if not plan.packed:
+        return pack.concat_num_samples(read_manifest(plan.store_dir)["num_tokens"], plan.seq_len)
+    store = TokenStore(plan.store_dir)
+    try:
+        return pass_length(plan, store)
+    finally:
+        store.close()
 
 
 def _is_int(x: Any) -> bool:

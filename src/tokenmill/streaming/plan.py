@@ -10,7 +10,7 @@ settings of the order (seq_len, seed, shuffle buffer). Its ``fingerprint`` goes 
     plan.store_dir     # cache/stream-<content key>/ : a store once the pass has ended
     plan.fingerprint   # 16 hex digits: inputs, tokenizer, options, seq_len, seed, shuffle_buffer
 
-A ``Cursor`` (unit, doc, token) says where reading may restart: document ``doc`` of unit
+A ``Cursor`` (unit, doc, token, row) says where reading may restart: document ``doc`` of unit
 ``unit``, which begins at global token ``token`` of the stream. Cursors in a saved state carry a
 check (``cursor_check``) that ties the three numbers to the plan, so an edited one is refused.
 """
@@ -36,14 +36,18 @@ from tokenmill.tokenizer import Tokenizer, token_dtype
 
 STATE_VERSION = 1
 DEFAULT_SHUFFLE_BUFFER = 4096  # windows: 8 Mi tokens at seq_len 2048, 16 MiB as uint16
+DEFAULT_PACK_WINDOW = 1024  # rows' worth of tokens packed together: 2 Mi tokens at seq_len 2048
+STREAM_LAYOUTS = ("concat", "packed")
 
 
 class Cursor(NamedTuple):
-    """Where reading may restart: document ``doc`` of unit ``unit``, at global token ``token``."""
+    """Where reading may restart: document ``doc`` of unit ``unit``, at global token ``token``;
+    for packed rows also ``row``, the pass's first row packed from there (0 for concat)."""
 
     unit: int
     doc: int
     token: int
+    row: int = 0
 
 
 START = Cursor(0, 0, 0)
@@ -56,12 +60,23 @@ class OrderSettings:
     seq_len: int
     seed: int = 0
     shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
+    layout: str = "concat"
+    max_segments: int | None = None  # packed: at most this many documents a row
+    pack_window: int = DEFAULT_PACK_WINDOW  # packed: rows' worth of tokens packed together
 
     def __post_init__(self):
-        for name in ("seq_len", "shuffle_buffer"):
+        for name in ("seq_len", "shuffle_buffer", "pack_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1 (got {name}={value!r})")
+        if self.layout not in STREAM_LAYOUTS:
+            raise ConfigError(f"layout must be one of {STREAM_LAYOUTS} "
+                              f"(got layout={self.layout!r})")
+        m = self.max_segments
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1
+                              or self.layout != "packed"):
+            raise ConfigError(f"max_segments must be None or an int >= 1, with layout='packed' "
+                              f"(got max_segments={m!r}, layout={self.layout!r})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
                 or self.seed < 0:
             raise ConfigError(f"seed must be an int >= 0 (got seed={self.seed!r})")
@@ -100,6 +115,16 @@ class StreamPlan:
         return int(self.order_settings.shuffle_buffer)
 
     @property
+    def packed(self) -> bool:
+        """True for packed rows (document-aware), False for concat windows."""
+        return self.order_settings.layout == "packed"
+
+    @property
+    def window_tokens(self) -> int:
+        """Packed: the packing window W = pack_window · (seq_len + 1) tokens (docs/streaming.md)."""
+        return int(self.order_settings.pack_window) * (self.seq_len + 1)
+
+    @property
     def offset(self) -> int:
         """Where epoch 0's windows start (the store Loader's epoch-0 offset)."""
         return pack.concat_offset(self.seq_len, seed=self.seed, epoch=0)
@@ -133,15 +158,24 @@ def plan_stream(inputs: str | os.PathLike | Sequence, config: PrepareConfig, tok
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     units = sources.plan_units(files, config.source_config(storage_options))
-    fingerprint = digest({"stream": STATE_VERSION, "key": key, "seq_len": int(order.seq_len),
-                          "seed": int(order.seed),
-                          "shuffle_buffer": int(order.shuffle_buffer)})[:16]
+    fingerprint = digest({"stream": STATE_VERSION, "key": key, **layout_record(order)})[:16]
     return StreamPlan(config=config, storage_options=storage_options, units=tuple(units),
                       list_skips=tuple(list_skips), settings=settings, key=key,
                       store_dir=cache_dir / f"stream-{content}",
                       lock_path=cache_dir / f"stream-{content}.lock",
                       dtype=token_dtype(tokenizer.vocab_size), order_settings=order,
                       num_workers=num_workers, fingerprint=fingerprint)
+
+
+def layout_record(order: OrderSettings) -> dict:
+    """What the order and layout add to a stream's fingerprint (concat: as before packing)."""
+    record = {"seq_len": int(order.seq_len), "seed": int(order.seed),
+              "shuffle_buffer": int(order.shuffle_buffer)}
+    if order.layout == "packed":
+        m = order.max_segments
+        record.update(layout="packed", pack_window=int(order.pack_window),
+                      max_segments=None if m is None else int(m))
+    return record
 
 
 def modification_times(files: Sequence[str], storage_options) -> list:
@@ -179,8 +213,10 @@ def resolve_stream_workers(num_workers: int | str) -> int:
 
 
 def cursor_check(fingerprint: str, cursor: Cursor) -> str:
-    """The check a saved cursor carries: ties (unit, doc, token) to the plan's fingerprint."""
-    return digest({"fingerprint": fingerprint, "cursor": [int(x) for x in cursor]})[:16]
+    """The check a saved cursor carries: ties (unit, doc, token[, row]) to the plan's fingerprint
+    (a concat cursor's row is 0 and left out, so earlier checks stay valid)."""
+    values = [int(x) for x in (cursor if cursor.row else cursor[:3])]
+    return digest({"fingerprint": fingerprint, "cursor": values})[:16]
 
 
 def digest(obj: Any) -> str:

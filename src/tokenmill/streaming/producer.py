@@ -28,6 +28,7 @@ from tokenmill.streaming.cache import CacheWriter, claim_writer, store_complete,
 from tokenmill.streaming.order import (emission_order, emission_time, emitted_before, look_ahead,
                                        oldest_buffered)
 from tokenmill.streaming.plan import START, Cursor, StreamPlan
+from tokenmill.streaming.rows import PackedText, StoreRows, new_batch, pass_length
 from tokenmill.streaming.units import POLL_S, Stopped, UnitResults
 from tokenmill.streaming.windows import StoreWindows, TextWindows, WindowSource
 from tokenmill.tokenizer import Tokenizer
@@ -134,18 +135,27 @@ class Ready:
 # ---- the store's epochs --------------------------------------------------------------------------
 
 class StoreEpochs:
-    """This rank's batches in the store Loader's order (``plan.batch_at``): epochs 1, 2, …"""
+    """This rank's batches in the store Loader's order (``plan.batch_at``): epochs 1, 2, …
+
+    Global position p >= n (the pass's samples) is the store Loader's position
+    p − n + samples_per_epoch. For concat the pass *is* the store's epoch 0 (the same n); packed
+    rows of the pass are packed window by window, so n may differ from the store's rows."""
 
     def __init__(self, plan: StreamPlan, part: BatchSlice):
         self.part = part
-        self.plan = BatchPlan.open(plan.store_dir, LayoutConfig(seq_len=plan.seq_len,
-                                                                layout="concat", seed=plan.seed))
+        o = plan.order_settings
+        self.plan = BatchPlan.open(plan.store_dir, LayoutConfig(
+            seq_len=plan.seq_len, layout=o.layout, seed=plan.seed, max_segments=o.max_segments),
+            cache_dir=plan.store_dir.parent / "layouts")  # packed layouts: not inside the store
         self.samples_per_epoch = self.plan.samples_per_epoch
+        self.pass_samples = (pass_length(plan, self.plan.sources[0].store) if plan.packed
+                             else self.samples_per_epoch)
 
     def batch_at(self, consumed: int) -> dict[str, np.ndarray]:
         """This rank's batch of the global batch starting at sample ``consumed``."""
         self.plan.check_stores()  # a store re-prepared or corrupted underneath fails loudly
-        return batch_at(self.plan, consumed, batch_size=self.part.batch_size,
+        shifted = consumed - self.pass_samples + self.samples_per_epoch
+        return batch_at(self.plan, shifted, batch_size=self.part.batch_size,
                         rank=self.part.rank, world_size=self.part.world_size)
 
     def close(self) -> None:
@@ -160,9 +170,9 @@ class Producer:
     batches, each with the state after it; then the store's later epochs."""
 
     def __init__(self, plan: StreamPlan, tokenizer: Tokenizer, part: BatchSlice, start: StartAt,
-                 stats: StreamStats):
+                 stats: StreamStats, ready: int = READY_BATCHES):
         self.plan, self.tok, self.part, self.start, self.stats = plan, tokenizer, part, start, stats
-        self.out = Ready(READY_BATCHES)
+        self.out = Ready(ready)
         self.stop = threading.Event()
         self.epochs: StoreEpochs | None = None
         self.thread = threading.Thread(target=self._run, daemon=True, name="tokenmill-stream")
@@ -202,8 +212,10 @@ class Producer:
         if not complete and claimed is not None and k >= claimed:
             self._later_epochs(k, claimed, measured=False)  # past the pass: the store alone
             return
-        source = (StoreWindows(self.plan) if complete
-                  else self._text_source(k, claim_writer(self.plan, self.tok, self.stats.seconds)))
+        if complete:
+            source = StoreRows(self.plan) if self.plan.packed else StoreWindows(self.plan)
+        else:
+            source = self._text_source(k, claim_writer(self.plan, self.tok, self.stats.seconds))
         try:
             k = self._emit(source, k)
         finally:
@@ -211,17 +223,25 @@ class Producer:
             self.stats.peak_tokens = max(self.stats.peak_tokens, source.peak)
         self._later_epochs(k, source.num_windows, measured=True)
 
-    def _text_source(self, k: int | None, writer: CacheWriter | None) -> TextWindows:
-        """Windows read from the text, from the earliest of: the writer's cursor, and the place
-        that replays the shuffle buffer of position k (``hint`` if early enough, else 0)."""
-        plan, starts = self.plan, [writer.resume_cursor] if writer is not None else []
+    def _text_source(self, k: int | None, writer: CacheWriter | None) -> WindowSource:
+        """Windows (or packed rows) read from the text, from the earliest of: the writer's
+        cursor, and the place that replays the shuffle buffer of position k (``hint`` if early
+        enough, else 0)."""
+        plan, starts = self.plan, []
         if k is not None:
             # the pass length is not trusted here: with fewer windows, sample k leaves no earlier
             t = emission_time(k, **plan.order)
-            need = plan.window_start(oldest_buffered(t, shuffle_buffer=plan.shuffle_buffer))
+            oldest = oldest_buffered(t, shuffle_buffer=plan.shuffle_buffer)
             hint = self.start.hint
-            starts.append(hint if hint is not None and hint.token <= need else START)
+            early = hint is not None and (hint.row <= oldest if plan.packed
+                                          else hint.token <= plan.window_start(oldest))
+            starts.append(hint if early else START)
+        if writer is not None:  # after the hint: on a tie, the hint (it knows its row) wins
+            starts.append(writer.resume_cursor)
         start = min(starts, key=lambda c: (c.token, c.unit, c.doc))
+        rows = plan.packed and k is not None  # finishing the cache alone needs no rows
+        if rows and start.row == 0 and start.token > 0:
+            start = START  # the rows before a writer's cursor are unknown: pack from the start
         try:
             units = UnitResults(plan, self.tok, first=start.unit, stop=self.stop,
                                 stats=self.stats.seconds)
@@ -229,7 +249,8 @@ class Producer:
             if writer is not None:
                 writer.abort()  # release the cache for another process
             raise
-        return TextWindows(plan, start, writer, units, self.stop)
+        text = TextWindows(plan, start, writer, units, self.stop)
+        return PackedText(plan, text, start) if rows else text
 
     def _start_time(self, source: WindowSource, k: int) -> int:
         """When sample k leaves the buffer; reads far enough to know whether the pass ends first."""
@@ -264,20 +285,17 @@ class Producer:
             self.stats.seconds["assemble"] += time.perf_counter() - t0
             ids, times, k = ids[want:], times[want:], k + GB
             oldest = oldest_buffered(int(times[0]) if len(times) else t_hi, shuffle_buffer=S)
-            need = plan.window_start(oldest)
-            source.release(need)
-            self._put(StepReady(batch, k, source.resume_from(need), source.num_windows))
+            source.release(oldest)
+            self._put(StepReady(batch, k, source.resume_from(oldest), source.num_windows))
         return k
 
     def _assemble(self, source: WindowSource, windows: np.ndarray, k: int, n: int | None) -> dict:
         """This rank's rows of the global batch at k; rows past the pass come from the store."""
-        B, L = self.part.batch_size, self.plan.seq_len
-        out = {"inputs": np.empty((B, L), np.int32), "targets": np.empty((B, L), np.int32)}
+        B = self.part.batch_size
+        out = new_batch(self.plan, B)
         q = self.part.rank * B + np.arange(B)
-        for row, j in enumerate(q.tolist()):
-            if j < len(windows):
-                source.copy(int(windows[j]), out, row)
         late = q >= len(windows)
+        source.copy(np.asarray(windows, np.int64)[q[~late]], out, np.flatnonzero(~late))
         if late.any():  # the global batch runs past the end of the pass: epoch 1 of the store
             other = self._store_epochs(n, measured=True).batch_at(k)
             for name in out:
@@ -304,7 +322,7 @@ class Producer:
             if not wait_store(plan, self.tok, self.stats.seconds, self.stop, self._write_store):
                 raise Stopped
             self.epochs = StoreEpochs(self.plan, self.part)
-            have = self.epochs.samples_per_epoch
+            have = self.epochs.pass_samples
             if have != n and measured:
                 raise StoreError(f"{self.plan.store_dir}: holds {have:,} windows, the pass "
                                  f"streamed {n:,}; delete it and run again")

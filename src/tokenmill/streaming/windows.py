@@ -10,9 +10,11 @@ come needs:
 - ``StoreWindows`` reads the same windows from the complete cache store, tokenizing nothing.
 
     source.confirm(t)            # windows [0, t) complete (or the input ended: num_windows set)
-    source.copy(i, out, row)     # window i into row `row` of the batch arrays
-    source.release(token)        # nothing before global token `token` is needed any more
-    source.resume_from(token)    # the latest Cursor from which reading still sees `token`
+    source.copy(ids, out, rows)  # windows ids[j] into rows rows[j] of the batch arrays
+    source.release(i)            # no window before window i is needed any more
+    source.resume_from(i)        # the latest Cursor from which reading sees window i again
+
+Packed rows have sources of the same protocol (``rows``): window i is then packed row i.
 """
 
 from __future__ import annotations
@@ -41,14 +43,14 @@ class WindowSource(Protocol):
     def confirm(self, windows: int) -> None:
         """Make windows [0, windows) available, or learn that the pass has fewer."""
 
-    def copy(self, window: int, out: dict[str, np.ndarray], row: int) -> None:
-        """Write window ``window`` into row ``row``: inputs, and targets shifted by one."""
+    def copy(self, windows: np.ndarray, out: dict[str, np.ndarray], rows: np.ndarray) -> None:
+        """Write window ``windows[j]`` into row ``rows[j]``: inputs, and targets shifted by one."""
 
-    def release(self, token: int) -> None:
-        """Forget what lies before global token ``token``."""
+    def release(self, window: int) -> None:
+        """Forget what no window from ``window`` on needs."""
 
-    def resume_from(self, token: int) -> Cursor | None:
-        """The latest cursor from which reading again still sees global token ``token``."""
+    def resume_from(self, window: int) -> Cursor | None:
+        """The latest cursor from which reading again still sees window ``window``."""
 
     def close(self) -> None:
         """Stop reading; idempotent."""
@@ -73,15 +75,16 @@ class StoreWindows:
         """Every window is there already; a shard whose background checksum failed is raised."""
         self.store.check()
 
-    def copy(self, window: int, out: dict[str, np.ndarray], row: int) -> None:
-        """Window ``window`` from the store's memory map."""
-        s = self.plan.window_start(window)
-        copy_window(self.store.tokens(s, s + self.plan.seq_len + 1), out, row)
+    def copy(self, windows: np.ndarray, out: dict[str, np.ndarray], rows: np.ndarray) -> None:
+        """Windows ``windows`` from the store's memory map into rows ``rows``."""
+        for window, row in zip(windows.tolist(), rows.tolist()):
+            s = self.plan.window_start(window)
+            copy_window(self.store.tokens(s, s + self.plan.seq_len + 1), out, row)
 
-    def release(self, token: int) -> None:
+    def release(self, window: int) -> None:
         """Nothing is held."""
 
-    def resume_from(self, token: int) -> Cursor | None:
+    def resume_from(self, window: int) -> Cursor | None:
         """A resume reads the store again: no cursor needed."""
         return None
 
@@ -100,12 +103,14 @@ class TextWindows:
     def __init__(self, plan: StreamPlan, start: Cursor, writer: CacheWriter | None,
                  units: UnitResults, stop: threading.Event):
         self.plan, self.writer, self.units, self.stop = plan, writer, units, stop
-        self.next = start  # the next unit to read: from its document doc, at global token
+        self.next = Cursor(*start[:3])  # the next unit to read: from its document doc, at token
         self.starts: list[int] = []  # global token where each kept array begins
         self.arrays: list[np.ndarray] = []
         self.held = 0  # tokens in self.arrays
         self.cursors: deque[Cursor] = deque()  # where each unit read so far began
-        self.num_windows: int | None = None  # known once the last unit is read
+        self.num_windows: int | None = None  # known once the last unit is read (concat)
+        self.ended = False  # the last unit was read
+        self.on_unit = None  # packed rows: called with (cursor, lengths) of each unit read
         self.peak = 0
 
     def confirm(self, windows: int) -> None:
@@ -115,14 +120,14 @@ class TextWindows:
 
     def drain(self) -> None:
         """Read to the end of the input (to finish the cache store)."""
-        while self.num_windows is None:
+        while not self.ended:
             self.pull()
 
     def pull(self) -> None:
         """Read the next unit (or, past the last, learn the number of windows)."""
         if self.stop.is_set():
             raise Stopped
-        u, d0, end = self.next
+        u, d0, end = self.next[:3]
         if u == len(self.plan.units):
             return self._finish()
         res = self.units.result(u)
@@ -131,6 +136,8 @@ class TextWindows:
             tokens, lengths = tokens[int(lengths[:d0].sum()):], lengths[d0:]
         if self.writer is not None:
             self.writer.add(u, d0, tokens, lengths, res.skips, res.digest)
+        if self.on_unit is not None:
+            self.on_unit(self.next, lengths)
         self.cursors.append(self.next)
         if len(tokens):
             self.starts.append(end)
@@ -143,31 +150,46 @@ class TextWindows:
         if self.writer is not None:
             self.writer.finish()
             self.writer = None
+        self.ended = True
+        if self.plan.packed:
+            return  # packed rows count themselves (rows.PackedText)
         total, L = self.next.token, self.plan.seq_len
         if total < 2 * L:
             raise ConfigError(f"the inputs hold {total:,} tokens, too few for seq_len={L} "
                               f"(concat windows need at least {2 * L:,})")
         self.num_windows = pack.concat_num_samples(total, L)
 
-    def copy(self, window: int, out: dict[str, np.ndarray], row: int) -> None:
-        """Window ``window`` into row ``row`` of the batch: inputs, and targets shifted by one."""
-        L = self.plan.seq_len
-        s = self.plan.window_start(window)
-        i = bisect.bisect_right(self.starts, s) - 1
-        assert i >= 0, f"window {window} was released"
-        lo = s - self.starts[i]
-        data = self.arrays[i][lo:lo + L + 1]
-        if len(data) < L + 1:  # the window spans units: gather just its pieces
+    def copy(self, windows: np.ndarray, out: dict[str, np.ndarray], rows: np.ndarray) -> None:
+        """Windows ``windows`` into rows ``rows``: inputs, and targets shifted by one."""
+        for window, row in zip(windows.tolist(), rows.tolist()):
+            s = self.plan.window_start(window)
+            copy_window(self.tokens(s, s + self.plan.seq_len + 1), out, row)
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Global tokens [start, stop) of the units held (a view when one unit holds them)."""
+        i = bisect.bisect_right(self.starts, start) - 1
+        assert i >= 0, f"token {start} was released"
+        lo = start - self.starts[i]
+        data = self.arrays[i][lo:lo + stop - start]
+        if len(data) < stop - start:  # the range spans units: gather just its pieces
             pieces, have = [data], len(data)
             for a in self.arrays[i + 1:]:
-                pieces.append(a[:L + 1 - have])
+                pieces.append(a[:stop - start - have])
                 have += len(pieces[-1])
-                if have == L + 1:
+                if have == stop - start:
                     break
             data = np.concatenate(pieces)
-        copy_window(data, out, row)
+        return data
 
-    def release(self, token: int) -> None:
+    def release(self, window: int) -> None:
+        """Forget the units that end before window ``window`` starts."""
+        self.release_before(self.plan.window_start(window))
+
+    def resume_from(self, window: int) -> Cursor | None:
+        """The latest place reading can restart from and still see window ``window``."""
+        return self.cursor_for(self.plan.window_start(window))
+
+    def release_before(self, token: int) -> None:
         """Forget the units that end before ``token``: no window still to come starts there."""
         drop = 0
         while drop < len(self.arrays) and self.starts[drop] + len(self.arrays[drop]) <= token:
@@ -177,7 +199,7 @@ class TextWindows:
         while len(self.cursors) > 1 and self.cursors[1].token <= token:
             self.cursors.popleft()
 
-    def resume_from(self, token: int) -> Cursor | None:
+    def cursor_for(self, token: int) -> Cursor | None:
         """The latest place reading can restart from and still see token ``token``."""
         return self.cursors[0] if self.cursors and self.cursors[0].token <= token else None
 

@@ -1,0 +1,298 @@
+"""Mixtures of text sources in streaming mode: the store Loader's two mixture spellings, each
+source tokenized on the fly by its own stream.
+
+    Loader.from_text({"web": "data/web/*.jsonl", "code": "data/code"}, tokenizer="bytes",
+                     seq_len=2048, batch_size=8, cache_dir="cache/",
+                     mixture=[(0, {"web": 0.9, "code": 0.1}), (80_000, {"web": 0.6, "code": 0.4})])
+    Loader.from_text({"data/web/*.jsonl": 0.7, "data/code": 0.3}, …)   # fixed weights
+
+Global position p goes to (source, draw) by the store Loader's schedule
+(``sampler.assign_phased``); each source is a ``StreamLoader`` of batch size 1 whose k-th sample
+is that source's k-th draw — its own pass (shuffle buffer), then its cache store's epochs — so
+every source keeps its own cursor across phases, as a store of the store Loader does, and a
+phase change never repeats or skips a source's samples. Every rank reads every source and keeps
+its slice [rank·B, (rank + 1)·B) of each global batch. The state holds the global position and
+each source's own small stream state::
+
+    {"version": 1, "mode": "stream-mixture", "fingerprint": "…", "consumed_samples": k,
+     "mixture": [[0, {"web": 0.9, "code": 0.1}], …],
+     "sources": {"web": <its StreamLoader state>, "code": …}}
+
+Phases that start after ``consumed_samples`` may be edited before a resume; an edit of an earlier
+one is refused, naming it. At a resume each source continues at its draws before
+``consumed_samples`` (by the schedule); its saved state contributes the cursor hint and the
+pass length, checked as a ``StreamLoader`` checks them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from tokenmill import sampler
+from tokenmill.errors import ConfigError, StaleIterator
+from tokenmill.mixture import Mixture, described_phases, mixture_of
+from tokenmill.plan import MAX_CONSUMED, resolve_rank
+from tokenmill.streaming.loader import Iteration, StreamLoader, open_stream
+from tokenmill.streaming.plan import STATE_VERSION, digest, resolve_stream_workers
+from tokenmill.streaming.producer import READY_BATCHES
+from tokenmill.streaming.rows import new_batch
+
+__all__ = ["MIX_MODE", "MixedStreamLoader", "draws_before", "open_mixture", "open_text"]
+
+MIX_MODE = "stream-mixture"
+
+
+def open_text(inputs, *, mixture: Sequence | None = None, **kwargs: Any):
+    """``Loader.from_text``: one text source (a ``StreamLoader``), or a mixture of them — named
+    sources with ``mixture=`` phases, or ``{inputs: weight}`` (a ``MixedStreamLoader``)."""
+    if not isinstance(inputs, Mapping):
+        if mixture is not None:
+            raise ConfigError("mixture= needs named text sources: Loader.from_text({'web': "
+                              "'data/web', 'code': 'data/code'}, mixture=[(0, {'web': 0.9, "
+                              f"'code': 0.1}})], …) (got inputs={inputs!r})")
+        return open_stream(inputs, **kwargs)
+    return open_mixture(inputs, mixture=mixture, **kwargs)
+
+
+def open_mixture(inputs: Mapping, *, mixture: Sequence | None, batch_size: int,
+                 rank: int | None = None, world_size: int | None = None,
+                 num_workers: int | str = "auto", **kwargs: Any) -> MixedStreamLoader:
+    """A MixedStreamLoader: each source a StreamLoader of batch size 1 (the other keywords are
+    ``open_stream``'s); the workers are shared among the sources (at least one each)."""
+    mix, items = mixture_of(inputs, mixture)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
+            or batch_size < 1:
+        raise ConfigError(f"batch_size must be an int >= 1 (got batch_size={batch_size!r})")
+    rank, world_size = resolve_rank(rank, world_size)
+    workers = resolve_stream_workers(num_workers)
+    each = max(1, workers // len(items)) if workers else 0
+    sources: list[StreamLoader] = []
+    try:
+        for item in items:
+            sources.append(open_stream(item, batch_size=1, rank=0, world_size=1,
+                                       num_workers=each, **kwargs))
+        same = [(a, b) for i, a in enumerate(sources) for b in sources[:i]
+                if a.store_path == b.store_path]
+        if same:  # one cache, one writer: the slower source would wait for the other forever
+            a, b = (mix.names[sources.index(x)] for x in same[0])
+            raise ConfigError(f"sources {b!r} and {a!r} are the same inputs read with the same "
+                              "options: make them one source (its weight the sum of theirs)")
+    except BaseException:
+        for s in sources:
+            s.close()
+        raise
+    return MixedStreamLoader(mix, sources, rank=rank, world_size=world_size,
+                             batch_size=int(batch_size))
+
+
+def draws_before(phases: sampler.Phases, k: int) -> np.ndarray:
+    """How many draws each source had in global positions [0, k): its cursor at k.
+
+    draws_before(sampler.phased_schedule([(0, [1, 0]), (2, [0, 1])]), 5).tolist() == [2, 3]
+    """
+    i = bisect.bisect_right(phases.starts, k) - 1
+    schedule, n = phases.schedules[i], k - phases.starts[i]
+    cycles, rest = divmod(n, schedule.period)
+    local = np.array(schedule.numerators, np.int64) * cycles + np.bincount(
+        schedule.store_of[:rest], minlength=len(schedule.numerators))
+    out = phases.offsets[i].copy()
+    out[phases.stores[i]] += local
+    return out
+
+
+class MixedStreamLoader:
+    """Batches from a mixture of text sources, each tokenized on the fly (see the module
+    docstring); the batch interface of ``Loader`` and ``StreamLoader``."""
+
+    def __init__(self, mix: Mixture, sources: list[StreamLoader], *, rank: int,
+                 world_size: int, batch_size: int):
+        self.mixture, self.sources = mix, sources
+        self.names = mix.names
+        self.schedule = sampler.phased_schedule(mix.phases)
+        self.config = sources[0].config
+        self.rank, self.world_size, self.batch_size = rank, world_size, batch_size
+        self.epochs = self.total_steps = None  # streams run until you stop
+        core = {"mixture": [[n, s.fingerprint] for n, s in zip(self.names, sources)]}
+        if not mix.named:  # fixed weights are part of the stream; named phases are compared apart
+            core["weights"] = list(mix.weights)
+        self.fingerprint = digest(core)[:16]
+        for s in sources:  # one global batch may take all of its rows from one source
+            s.ready_batches = max(READY_BATCHES, 4 * self.global_batch_size)
+        self._consumed = 0
+        self._states = [s.state_dict() for s in sources]  # each source's, at _consumed
+        self._iters: list[Iterator | None] = [None] * len(sources)
+        self._iterating: Iteration | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _close_all, list(sources))
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per step across all ranks."""
+        return self.batch_size * self.world_size
+
+    @property
+    def consumed_samples(self) -> int:
+        """Global samples handed out so far (all ranks)."""
+        return self._consumed
+
+    def __len__(self) -> int:
+        raise TypeError("a mixture of text streams has no epoch length: its sources' passes "
+                        "end at different steps")
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        """Batches from the current position; an earlier iterator raises StaleIterator."""
+        if self._closed:
+            raise StaleIterator("this loader is closed")
+        self._retire(f"this loader was iterated again (a new iter() on it) after this iterator "
+                     f"was made; its batches continue in the new iterator, from consumed_samples"
+                     f"={self._consumed:,}")
+        self._iterating = token = Iteration()
+        return self._batches(token)
+
+    def _retire(self, why: str) -> None:
+        if self._iterating is not None:
+            self._iterating.why = why
+        self._iterating = None
+        self._iters = [None] * len(self.sources)
+
+    def _batches(self, token: Iteration) -> Iterator[dict[str, np.ndarray]]:
+        GB, B = self.global_batch_size, self.batch_size
+        lo = self.rank * B
+        while True:
+            if token.why is not None:
+                raise StaleIterator(token.why)
+            if self._error is not None:
+                raise self._error
+            k = self._consumed
+            sid, draw = sampler.assign_phased(self.schedule, np.arange(k, k + GB, dtype=np.int64))
+            out = new_batch(self.sources[0].plan, B)
+            try:
+                for j, (s, d) in enumerate(zip(sid.tolist(), draw.tolist())):
+                    assert d == self.sources[s].consumed_samples, "a source's draws run in order"
+                    row = next(self._source_iter(s))
+                    if lo <= j < lo + B:
+                        for key in out:
+                            out[key][j - lo] = row[key][0]
+            except BaseException as e:
+                self._error = e
+                raise
+            self._consumed = k + GB
+            for s in np.unique(sid).tolist():
+                self._states[s] = self.sources[s].state_dict()
+            yield out
+
+    def _source_iter(self, s: int) -> Iterator:
+        if self._iters[s] is None:
+            self._iters[s] = iter(self.sources[s])
+        return self._iters[s]
+
+    # ---- what the Meter reads ---------------------------------------------------------------
+
+    def stage_times(self) -> dict[str, float]:
+        """Cumulative seconds over all sources: tokenizing, writing the caches, assembling."""
+        out: dict[str, float] = {}
+        for s in self.sources:
+            for stage, t in s.stage_times().items():
+                out[stage] = out.get(stage, 0.0) + t
+        return out
+
+    def queue_depth(self) -> int:
+        """Global batches surely ready: the fewest samples ready at a source, in batches."""
+        return min(s.queue_depth() for s in self.sources) // self.global_batch_size
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global position and each source's stream state (small, JSON-able)."""
+        return {"version": STATE_VERSION, "mode": MIX_MODE, "fingerprint": self.fingerprint,
+                "consumed_samples": int(self._consumed),
+                "mixture": described_phases(self.mixture),
+                "sources": dict(zip(self.names, self._states))}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``: refuses other sources, options or layout, and an edited
+        phase that started before ``consumed_samples``. Each source continues at its draws
+        before that position (by the schedule), its saved ``resume_from`` only a hint: a state
+        whose consumed_samples was lowered (a wrapper's, counting batches handed out) reads
+        earlier, never differently."""
+        k = check_mixed_state(state, self)
+        before = [s.state_dict() for s in self.sources]
+        try:  # a source's position is its draws before k; its saved cursor is a hint for it
+            for s, name, n in zip(self.sources, self.names, draws_before(self.schedule, k)):
+                s.load_state_dict({**state["sources"][name], "consumed_samples": int(n)})
+        except BaseException:
+            for s, old in zip(self.sources, before):
+                s.load_state_dict(old)
+            raise
+        self._retire("this loader's state was loaded (load_state_dict) after this iterator was "
+                     "made; make a new iterator (iter(loader)) to continue from there")
+        self._consumed, self._error = k, None
+        self._states = [s.state_dict() for s in self.sources]
+
+    # ---- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop every source's thread and workers; safe to call twice."""
+        self._closed = True
+        self._retire("this loader is closed")
+        self._finalizer()
+
+    def __enter__(self) -> MixedStreamLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _close_all(sources: list) -> None:
+    for s in sources:
+        s.close()
+
+
+def check_mixed_state(state: Any, loader: MixedStreamLoader) -> int:
+    """``consumed_samples`` of a mixture state, checked against ``loader`` (ConfigError)."""
+    if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION or \
+            state.get("mode") != MIX_MODE:
+        raise ConfigError(f"unsupported stream mixture state (want version {STATE_VERSION}, "
+                          f"mode {MIX_MODE!r}): {state!r}")
+    if state.get("fingerprint") != loader.fingerprint:
+        raise ConfigError(f"loader state fingerprint {state.get('fingerprint')!r} does not match "
+                          f"this loader's {loader.fingerprint!r}: the sources (names, inputs or "
+                          "their sizes/times), tokenizer, options, seq_len, layout, seed, "
+                          "shuffle_buffer or fixed weights differ")
+    k = state.get("consumed_samples")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= MAX_CONSUMED:
+        raise ConfigError(f"consumed_samples must be an int in [0, 2**63) (got {k!r})")
+    check_past_phases(state.get("mixture"), described_phases(loader.mixture), int(k))
+    sources = state.get("sources")
+    if not isinstance(sources, Mapping) or set(sources) != set(loader.names) or \
+            not all(isinstance(v, Mapping) for v in sources.values()):
+        raise ConfigError(f"the state's sources must be a {{name: stream state}} dict of this "
+                          f"loader's sources {sorted(loader.names)} (got {sources!r})")
+    return int(k)
+
+
+def check_past_phases(saved: Any, now: list, k: int) -> None:
+    """Refuse a schedule whose phases before global sample ``k`` differ from the saved ones."""
+    if not isinstance(saved, list):
+        raise ConfigError(f"the state's mixture must be a list of [first sample, {{name: "
+                          f"weight}}] phases (got {saved!r})")
+    past = [[int(p[0]), dict(p[1])] for p in saved if p[0] < k]
+    ours = [[int(p[0]), dict(p[1])] for p in now if p[0] < k]
+    for i in range(max(len(past), len(ours))):
+        a = past[i] if i < len(past) else None
+        b = ours[i] if i < len(ours) else None
+        if a != b:
+            raise ConfigError(f"phase {i} ({_phase(a)} in the state, {_phase(b)} now) started "
+                              f"before consumed_samples={k:,}: those samples were consumed; only "
+                              "phases that start later may be added, changed or removed")
+
+
+def _phase(p: list | None) -> str:
+    return "absent" if p is None else f"from sample {p[0]:,}: {p[1]}"
+
