@@ -130,7 +130,8 @@ class TextWindows:
         if d0:
             tokens, lengths = tokens[int(lengths[:d0].sum()):], lengths[d0:]
         if self.writer is not None:
-            self.writer.add(u, d0, tokens, lengths, res.skips, res.digest)
+            self.writer.add(u, d0, tokens, lengths, res.skips, res.digest,
+                            self.writer.origins(u, res).part(d0))
         self.cursors.append(self.next)
         if len(tokens):
             self.starts.append(end)
