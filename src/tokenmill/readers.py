@@ -340,20 +340,20 @@ def _lines(data: bytes) -> tuple[list[str | None], dict[int, str]]:
 
 def _jsonl_docs(blocks, key: str, report, base, first: int) -> Iterator[Doc | Skip]:
     """``first``: lines before the unit's first record when known (else 0: unit-relative)."""
-    loads, done = json.loads, first  # done: lines before the block
+    loads, new, done = json.loads, tuple.__new__, first  # done: lines before the block
     for data in blocks:
         lines, bad = _lines(data)
-        for i, line in enumerate(lines):
+        for n, line in enumerate(lines, done + 1):  # n: the line's number (from first)
             try:
                 text = loads(line)[key]
             except (ValueError, TypeError, KeyError, RecursionError):
-                if problem := _json_problem(line, bad.get(i), key):
-                    yield report(f"line {base() + done - first + i + 1}", *problem)
+                if problem := _json_problem(line, bad.get(n - done - 1), key):
+                    yield report(f"line {base() + n - first}", *problem)
                 continue
             if type(text) is str and text:
-                yield Doc(text, done + i + 1)
+                yield new(Doc, (text, n))  # Doc(text, n): 75 ns, not 130 (no argument parsing)
             else:
-                yield report(f"line {base() + done - first + i + 1}", *(
+                yield report(f"line {base() + n - first}", *(
                     ("empty_document", f"{key!r} is empty") if text == "" else
                     ("non_string_field", f"{key!r} is {_kind(text)}")))
         done += len(lines)
@@ -388,14 +388,14 @@ def _kind(value) -> str:
 
 
 def _line_docs(blocks, report, base) -> Iterator[Doc | Skip]:
-    done = 0
+    done, new = 0, tuple.__new__
     for data in blocks:
         lines, bad = _lines(data)
         for i, line in enumerate(lines):
             if line and line[-1] == "\r":
                 line = line[:-1]
             if line:
-                yield Doc(line, done + i + 1)
+                yield new(Doc, (line, done + i + 1))  # Doc(line, …), at half the cost
             else:
                 yield report(f"line {base() + done + i + 1}", *(
                     ("invalid_utf8", bad[i]) if line is None else ("empty_document", "empty line")))

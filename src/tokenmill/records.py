@@ -21,7 +21,9 @@ the next unit's). The process that takes the units of a file *in order* adds a r
 file (``readers.LineBases``): lines before unit k = the "\n"s of units 0 … k-1. A run that starts
 at unit k (a resume) counts the lines before unit k once, in one pass over bytes [0, start - 1).
 Units of compressed streams carry their base (``Unit.line``, counted by the planner), row-based
-units number rows themselves: both yield absolute lines.
+units number rows themselves: both yield absolute lines. A new reader yields absolute lines or
+rows too, unless it cuts files into byte ranges: then it counts as above (``LineCount``) and its
+format joins ``unit_lines_relative``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import xxhash
 from tokenmill import sources
 from tokenmill.errors import ConfigError
 from tokenmill.io import CHUNK, filesystem, is_url, redact
-from tokenmill.records import LineCount
+from tokenmill.records import Doc, LineCount
 from tokenmill.tokenizer import Tokenizer, encode_documents, load_tokenizer, token_dtype
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB uint16 shards
@@ -138,11 +138,12 @@ def tokenize_unit(unit: sources.Unit, config: PrepareConfig, storage_options: Ma
     skips: list[tuple[int, sources.Skip]] = []
     count = LineCount()
     for item in sources.read_unit(unit, source_config, payload, count):
-        if isinstance(item, sources.Skip):
-            skips.append((len(texts), item))
+        if type(item) is Doc:
+            text, line = item
+            texts.append(text)
+            lines.append(line)
         else:
-            texts.append(item.text)
-            lines.append(item.line)
+            skips.append((len(texts), item))
     tokens, lengths = encode_documents(tok, texts, add_eos=config.add_eos,
                                        add_bos=config.add_bos, dtype=token_dtype(tok.vocab_size))
     return UnitResult(tokens, lengths, skips, sum(map(len, texts)), digest,
