@@ -91,7 +91,7 @@ def worker_stages(corpus: Path, tokenizer: Path) -> dict:
     timed = TimedEncode(tok)
     for unit in units:
         t0 = time.perf_counter()
-        texts = [x for x in sources.read_unit(unit, source) if isinstance(x, str)]
+        texts = [x.text for x in sources.read_unit(unit, source) if isinstance(x, sources.Doc)]
         t1 = time.perf_counter()
         unit_digest(unit)
         t2 = time.perf_counter()

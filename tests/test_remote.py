@@ -94,7 +94,8 @@ def test_txt_paragraphs_over_s3_byte_ranges_match_local(s3, tmp_path, real_texts
 
 
 def _subprocess_env() -> dict:
-    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(Path(__file__).parent))
+    paths = [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]  # the tokenmill tested
+    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(filter(None, paths)))
 
 
 def test_prepare_to_s3_uploads_shards_manifest_last_and_resumes_after_sigkill(s3, tmp_path,
@@ -152,7 +153,7 @@ def test_prepare_to_s3_uploads_shards_manifest_last_and_resumes_after_sigkill(s3
         prepare([str(corpus)], out=out, **{**opts, "shard_tokens": 90_000})
     replaced = prepare([str(corpus)], out=out, overwrite=True, **{**opts, "shard_tokens": 90_000})
     assert set(s3.objects("out/store")) == {"manifest.json"} | {
-        f"{s['name']}{e}" for s in replaced["shards"] for e in (".bin", ".idx")}
+        f"{s['name']}{e}" for s in replaced["shards"] for e in (".bin", ".idx", ".src")}
     assert verify_store(out) == []
 
 

@@ -20,8 +20,14 @@ from hypothesis import strategies as st
 import tokenmill.io
 from tokenmill import decompress, readers, sources
 from tokenmill.errors import ConfigError, InputError
-from tokenmill.sources import (REASONS, SourceConfig, Skip, Unit, format_of, list_files, plan_units,
-                               read_documents, read_unit)
+from tokenmill.sources import (REASONS, Doc, SourceConfig, Skip, Unit, format_of, list_files,
+                               plan_units, read_documents)
+
+
+def read_unit(*args, **kwargs):
+    """sources.read_unit with each Doc as its text (lines: tests/test_provenance.py)."""
+    for item in sources.read_unit(*args, **kwargs):
+        yield item.text if isinstance(item, Doc) else item
 
 TEXTS = [f"doc {i} é✓ 🚀" for i in range(12)]  # each document names its own position
 
@@ -860,7 +866,7 @@ def test_a_document_over_the_limit_warns_once_per_file_where_it_is_read(tmp_path
     (tmp_path / name).write_text(body)
     config = SourceConfig(txt_mode=txt_mode)
     with pytest.warns(UserWarning) as caught:
-        docs = list(sources.read_unit(Unit(str(tmp_path / name), 0, -1), config))
+        docs = list(read_unit(Unit(str(tmp_path / name), 0, -1), config))
     assert docs == ["short", "x" * 150, "y" * 200]  # read unchanged
     assert [str(w.message) for w in caught] == [
         f"tokenmill: {tmp_path / name}: a single document of 150 characters, tokenized whole in "
@@ -871,5 +877,5 @@ def test_a_document_over_the_limit_warns_once_per_file_where_it_is_read(tmp_path
 def test_a_whole_txt_file_is_not_warned_about_again_when_read(tmp_path, monkeypatch, recwarn):
     monkeypatch.setattr(sources, "LONG_DOCUMENT", 100)
     (tmp_path / "w.txt").write_text("z" * 300)  # txt_mode="file": warned about when planned
-    assert list(sources.read_unit(Unit(str(tmp_path / "w.txt"), 0, -1), SourceConfig())) == ["z" * 300]
+    assert list(read_unit(Unit(str(tmp_path / "w.txt"), 0, -1), SourceConfig())) == ["z" * 300]
     assert not [w for w in recwarn if "single document" in str(w.message)]

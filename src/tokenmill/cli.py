@@ -259,7 +259,8 @@ def add_resume_check(sub) -> None:
 def add_explain(sub) -> None:
     """``tokenmill explain``."""
     pe = subcommand(sub, "explain", run_explain,
-                    "where each row of a step came from: store, shard, document, token offset")
+                    "where each row of a step came from: store, shard, document, token offset, "
+                    "input file and line (or row)")
     pe.add_argument("stores", nargs="+", help="STORE, or NAME=STORE for named stores (in order)")
     pe.add_argument("--step", type=int, required=True)
     pe.add_argument("--seq-len", type=int, required=True)

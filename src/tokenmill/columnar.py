@@ -4,7 +4,8 @@ A parquet file is cut by row groups, an Arrow IPC *stream* (the ``data-*.arrow``
 Hugging Face dataset saved with ``save_to_disk``) by record batches: consecutive groups (their
 whole size) or batches (their text column) until they reach ``unit_bytes``. A local stream is
 memory-mapped (``pa.memory_map`` + ``pa.ipc.open_stream``), so passing over the batches before a
-range copies nothing; a remote one is a single unit. Rows are numbered from 1 within the file.
+range copies nothing; a remote one is a single unit. Rows are numbered from 1 within the file:
+a document is ``Doc(text, row)``.
 
 Every reader takes a ``report(where, reason, detail)`` function and yields what it returns in the
 place of a bad record (a ``Skip``, or it raises).
@@ -16,7 +17,7 @@ import contextlib
 from collections.abc import Iterator
 
 from tokenmill.io import is_url, open_binary
-from tokenmill.records import Report, Skip, SourceConfig
+from tokenmill.records import Doc, Report, Skip, SourceConfig
 
 
 def plan_parquet(path: str, config: SourceConfig) -> list[tuple[int, int]]:
@@ -79,7 +80,7 @@ def _arrow_stream(path: str, storage_options):
 
 
 def read_parquet(path: str, start: int, stop: int, config: SourceConfig,
-                 report: Report) -> Iterator[str | Skip]:
+                 report: Report) -> Iterator[Doc | Skip]:
     """The documents of row groups [start, stop) of a parquet file (stop -1: to the end)."""
     key = config.text_key
     with _parquet(path, config.storage_options) as pf:
@@ -105,7 +106,7 @@ def read_parquet(path: str, start: int, stop: int, config: SourceConfig,
 
 
 def read_arrow(path: str, start: int, stop: int, config: SourceConfig,
-               report: Report) -> Iterator[str | Skip]:
+               report: Report) -> Iterator[Doc | Skip]:
     """The documents of record batches [start, stop) of an Arrow IPC stream (stop -1: to the end)."""
     key = config.text_key
     with _arrow_stream(path, config.storage_options) as reader:
@@ -130,10 +131,10 @@ def read_arrow(path: str, start: int, stop: int, config: SourceConfig,
             yield report("file", "empty_file", "0 rows")
 
 
-def _column_docs(texts: list, row: int, part: str, key: str, report: Report) -> Iterator[str | Skip]:
+def _column_docs(texts: list, row: int, part: str, key: str, report: Report) -> Iterator[Doc | Skip]:
     """The texts of one row group or batch; rows numbered from row + 1 within the file."""
     for i, text in enumerate(texts):
-        yield text if text else report(f"row {row + i + 1} ({part})", *(
+        yield Doc(text, row + i + 1) if text else report(f"row {row + i + 1} ({part})", *(
             ("empty_document", f"{key!r} is empty") if text == "" else
             ("non_string_field", f"{key!r} is null")))
 

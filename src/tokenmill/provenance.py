@@ -1,26 +1,36 @@
 """Where every row of a batch came from: the store, and each document piece's shard, document
-number and token offset — so a loss spike at step 51,234 can be traced to its documents.
+number, token offset and source — the input file and line (or row) the document starts at — so a
+loss spike at step 51,234 can be traced to its documents.
 
     origins = explain_positions(plan, loader.positions(51_234 * loader.global_batch_size))
-    origins[0].pieces[0].document   # the store's document number of row 0's first piece
+    origins[0].pieces[0].source   # e.g. "/data/web/a.jsonl:1234" or "/data/b.parquet row 17"
 
 A concat row is the L + 1 tokens [a, a + L] of the store's token stream (inputs and targets), so
-it may span several documents; a packed row lists its segments. Stores do not record yet which
-input file and line a document came from: ``source`` says "source unknown".
+it may span several documents; a packed row lists its segments. The source comes from the shard's
+``.src`` sidecar and the manifest's ``sources`` (see ``store.format``), read when first needed and
+checked against its checksum; a store made before prepare recorded them (or whose sidecar is
+missing or damaged) says "source unknown", never an error.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+import xxhash
 
 from tokenmill import sampler
+from tokenmill.errors import StoreError
+from tokenmill.io import read_bytes
 from tokenmill.plan import BatchPlan, SampleSource
+from tokenmill.store.format import SOURCES, Origins, parse_src
 
-__all__ = ["Piece", "RowOrigin", "SOURCE_UNKNOWN", "explain_positions"]
+__all__ = ["Piece", "RowOrigin", "SOURCE_UNKNOWN", "explain_positions", "source_name"]
 
 SOURCE_UNKNOWN = "source unknown"  # stores made before prepare records its sources
+ROW_FORMATS = (".parquet", ".arrow", ".csv", ".tsv")  # their Doc.line is a row, not a line
 
 
 class Piece(NamedTuple):
@@ -31,7 +41,9 @@ class Piece(NamedTuple):
     shard_document: int  # document number within its shard (the Megatron .idx's index)
     token_offset: int  # offset in the document of the piece's first token
     tokens: int  # tokens of the document in the row (inputs and targets: up to seq_len + 1)
-    source: str
+    source: str  # "file:line", "file row N", or "source unknown"
+    file: str | None = None  # the input file, as prepare recorded it (None: not recorded)
+    line: int | None = None  # 1-based line (or row: Parquet, Arrow) where the document starts
 
 
 class RowOrigin(NamedTuple):
@@ -44,25 +56,70 @@ class RowOrigin(NamedTuple):
     pieces: tuple[Piece, ...]
 
 
-def _piece(source: SampleSource, doc: int, lo: int, hi: int) -> Piece:
+def source_name(file: str, line: int) -> str:
+    """How a document's origin is shown.
+
+    source_name("d/a.jsonl", 12) == "d/a.jsonl:12"; source_name("d/b.parquet", 3) == "d/b.parquet row 3"
+    """
+    return f"{file} row {line}" if file.lower().endswith(ROW_FORMATS) else f"{file}:{line}"
+
+
+class _Sidecars:
+    """The ``.src`` of each shard of one store, read on first need (None: not recorded)."""
+
+    def __init__(self, store):
+        self.store, self.read = store, {}
+        files = store.manifest.get(SOURCES)
+        self.files = files if isinstance(files, list) else None
+
+    def origins(self, shard: int) -> Origins | str:
+        """Shard ``shard``'s origins, or why they are unknown."""
+        if shard not in self.read:
+            self.read[shard] = self._load(shard)
+        return self.read[shard]
+
+    def _load(self, shard: int) -> Origins | str:
+        entry = self.store.manifest["shards"][shard]
+        if self.files is None or entry.get("src_xxh3") is None:
+            return SOURCE_UNKNOWN
+        where = f"{os.fspath(self.store.path)}/{entry['name']}.src"
+        try:
+            data = read_bytes(where) if self.store.url else Path(where).read_bytes()
+            if data is None or xxhash.xxh3_64_hexdigest(data) != entry["src_xxh3"]:
+                raise StoreError(f"{where}: missing or damaged (checksum mismatch)")
+            origins = parse_src(data, where)
+        except (OSError, StoreError) as e:
+            return f"{SOURCE_UNKNOWN} ({e})"
+        if len(origins.lines) != entry["num_documents"] or (
+                len(origins.files) and int(origins.files.max()) >= len(self.files)):
+            return f"{SOURCE_UNKNOWN} ({where} does not match the manifest)"
+        return origins
+
+
+def _piece(source: SampleSource, sidecars: _Sidecars, doc: int, lo: int, hi: int) -> Piece:
     store = source.store
     shard = int(np.searchsorted(store.shard_doc_starts, doc, side="right")) - 1
-    return Piece(shard, doc, doc - int(store.shard_doc_starts[shard]),
-                 lo - int(store.doc_starts[doc]), hi - lo, SOURCE_UNKNOWN)
+    local = doc - int(store.shard_doc_starts[shard])
+    head = (shard, doc, local, lo - int(store.doc_starts[doc]), hi - lo)
+    origins = sidecars.origins(shard)
+    if isinstance(origins, str):
+        return Piece(*head, origins)
+    file, line = sidecars.files[int(origins.files[local])], int(origins.lines[local])
+    return Piece(*head, source_name(file, line), file, line)
 
 
-def _pieces(source: SampleSource, address: int) -> tuple[Piece, ...]:
+def _pieces(source: SampleSource, sidecars: _Sidecars, address: int) -> tuple[Piece, ...]:
     if source.packed is not None:
         p = source.packed
         segs = range(int(p.row_ptr[address]), int(p.row_ptr[address + 1]))
-        return tuple(_piece(source, int(p.seg_doc[s]), int(p.seg_start[s]),
+        return tuple(_piece(source, sidecars, int(p.seg_doc[s]), int(p.seg_start[s]),
                             int(p.seg_start[s] + p.seg_len[s])) for s in segs)
     starts = source.store.doc_starts
     lo, hi = address, address + source.config.seq_len + 1
     first = int(np.searchsorted(starts, lo, side="right")) - 1
     last = int(np.searchsorted(starts, hi - 1, side="right")) - 1
     ends = np.append(starts[1:], source.store.num_tokens)
-    return tuple(_piece(source, d, max(lo, int(starts[d])), min(hi, int(ends[d])))
+    return tuple(_piece(source, sidecars, d, max(lo, int(starts[d])), min(hi, int(ends[d])))
                  for d in range(first, last + 1))
 
 
@@ -73,9 +130,11 @@ def explain_positions(plan: BatchPlan, positions: np.ndarray) -> list[RowOrigin]
         sid, draws = np.zeros(len(positions), np.int64), positions
     else:
         sid, draws = sampler.assign_phased(plan.schedule, positions)
+    sidecars = [_Sidecars(source.store) for source in plan.sources]
     out = []
     for row, (p, s, d) in enumerate(zip(positions.tolist(), sid.tolist(), draws.tolist())):
         source = plan.sources[s]
         address = int(source.addresses(np.array([d], dtype=np.int64))[0])
-        out.append(RowOrigin(row, p, plan.mixture.names[s], d, _pieces(source, address)))
+        out.append(RowOrigin(row, p, plan.mixture.names[s], d,
+                             _pieces(source, sidecars[s], address)))
     return out

@@ -1,5 +1,6 @@
 """What the input modules share: how to read (``SourceConfig``), a piece of work (``Unit``), a
-record passed over (``Skip``) and how a problem becomes a ``Skip`` or an ``InputError``.
+document and where it starts (``Doc``), a record passed over (``Skip``) and how a problem becomes
+a ``Skip`` or an ``InputError``.
 
 ``tokenmill.readers`` and ``tokenmill.columnar`` read formats; ``tokenmill.sources`` lists inputs
 and plans units. All three import this module; it imports only ``tokenmill.errors``.
@@ -7,6 +8,22 @@ and plans units. All three import this module; it imports only ``tokenmill.error
 Bad input. Each problem has a reason from REASONS. Under ``on_error="raise"`` it raises
 ``InputError`` naming the file and the 1-based line (or row); under ``"skip"`` a ``Skip`` takes
 the record's place in the stream. Empty documents are always a ``Skip``, never an error.
+
+Where a document starts (``Doc.line``, 1-based): the line of its first line in a .jsonl (plain or
+compressed) or a .txt in lines/paragraphs mode; 1 for a whole .txt; the row in the file for
+Parquet and Arrow. Every reader yields ``Doc | Skip``. One case cannot know its line alone: a
+byte-range unit of a plain .jsonl/.txt that starts past byte 0 (``unit_lines_relative``) — its
+reader does not know how many lines precede its first record, and counting them in every unit
+would read the file from 0 for each (quadratic). So such a unit's ``Doc.line`` counts from its
+first record (line 1 = the first record it owns), and its reader reports in ``LineCount`` the
+"\n"s of the lines it owns (those starting in [start, stop): the bytes from its first record to
+the next unit's). The process that takes the units of a file *in order* adds a running base per
+file (``readers.LineBases``): lines before unit k = the "\n"s of units 0 … k-1. A run that starts
+at unit k (a resume) counts the lines before unit k once, in one pass over bytes [0, start - 1).
+Units of compressed streams carry their base (``Unit.line``, counted by the planner), row-based
+units number rows themselves: both yield absolute lines. A new reader yields absolute lines or
+rows too, unless it cuts files into byte ranges: then it counts as above (``LineCount``) and its
+format joins ``unit_lines_relative``.
 """
 
 from __future__ import annotations
@@ -15,7 +32,7 @@ import sys
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from tokenmill.errors import ConfigError, InputError
 
@@ -71,6 +88,31 @@ class Unit:
     start: int
     stop: int
     line: int | None = None
+
+
+class Doc(NamedTuple):
+    """A document's text and the 1-based line (or row) where it starts in its file (see above)."""
+
+    text: str
+    line: int
+
+
+@dataclass
+class LineCount:
+    """Filled by a text unit's reader: ``newlines``, the "\\n"s of the lines the unit owns (a
+    running base per file adds them up, see the module docstring)."""
+
+    newlines: int = 0
+
+
+def unit_lines_relative(unit: Unit) -> bool:
+    """Whether a unit's ``Doc.line`` counts from its first record rather than from the start of
+    its file: a plain .jsonl/.txt byte range past byte 0 (a compressed one knows ``unit.line``).
+
+    unit_lines_relative(Unit("a.jsonl", 5, 10)) is True
+    """
+    return (unit.start > 0 and unit.line is None
+            and format_or_none(unit.path) in ("jsonl", "txt", *COMPRESSED))
 
 
 @dataclass(frozen=True)

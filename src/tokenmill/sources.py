@@ -48,11 +48,11 @@ from tokenmill import columnar, readers
 from tokenmill.decompress import StreamPayloads
 from tokenmill.errors import InputError
 from tokenmill.io import file_size, filesystem, is_url
-from tokenmill.records import (COMPRESSED, EXTENSIONS, FORMATS, LONG_DOCUMENT, REASONS, Skip,
-                               SourceConfig, Unit, check_policy, describe, format_of,
-                               format_or_none, io_errors, problem, web_path)
+from tokenmill.records import (COMPRESSED, EXTENSIONS, FORMATS, LONG_DOCUMENT, REASONS, Doc,
+                               LineCount, Skip, SourceConfig, Unit, check_policy, describe,
+                               format_of, format_or_none, io_errors, problem, web_path)
 
-__all__ = ["DATASET_STATE", "FORMATS", "Ignored", "Listing", "REASONS", "Skip", "SourceConfig",
+__all__ = ["DATASET_STATE", "Doc", "FORMATS", "Ignored", "Listing", "REASONS", "Skip", "SourceConfig",
            "Unit", "dataset_files", "format_of", "list_files", "list_inputs", "needs_payload",
            "plan_units", "read_documents", "read_unit", "unit_payloads"]
 
@@ -160,9 +160,12 @@ def unit_payloads(units: Sequence[Unit], first: int, config: SourceConfig) -> It
             yield payloads.read(unit, format_of(unit.path)) if needs_payload(unit) else None
 
 
-def read_unit(unit: Unit, config: SourceConfig, payload: bytes | None = None) -> Iterator[str | Skip]:
-    """The unit's documents in file order, with a Skip in the place of each record passed over;
-    ``payload``: its bytes from unit_payloads (compressed streams only; None: read them here)."""
+def read_unit(unit: Unit, config: SourceConfig, payload: bytes | None = None,
+              count: LineCount | None = None) -> Iterator[Doc | Skip]:
+    """The unit's documents (``Doc``: text and line or row) in file order, with a Skip in the
+    place of each record passed over; ``payload``: its bytes from unit_payloads (compressed
+    streams only; None: read them here); ``count``: filled with the "\\n"s of the lines a text
+    unit owns (see ``records``: lines of units past byte 0 count from their first record)."""
     if payload is not None and not needs_payload(unit):
         raise TypeError(f"{unit}: a payload is only for a compressed stream's unit")
     report = partial(problem, unit.path, config.on_error)
@@ -171,7 +174,7 @@ def read_unit(unit: Unit, config: SourceConfig, payload: bytes | None = None) ->
         if fmt in _COLUMNAR:
             docs = _COLUMNAR[fmt][1](unit.path, unit.start, unit.stop, config, report)
         else:
-            docs = readers.read_text(unit, fmt, config, report, payload)
+            docs = readers.read_text(unit, fmt, config, report, payload, count)
         if fmt == "txt" and config.txt_mode == "file":
             yield from docs  # a whole file is one document: warned about when planned
         else:
@@ -180,13 +183,14 @@ def read_unit(unit: Unit, config: SourceConfig, payload: bytes | None = None) ->
         yield report("file", "unreadable", describe(e))
 
 
-def _warn_long_documents(path: str, docs: Iterator[str | Skip]) -> Iterator[str | Skip]:
+def _warn_long_documents(path: str, docs: Iterator[Doc | Skip]) -> Iterator[Doc | Skip]:
     """``docs`` unchanged; warns once per file at the first document of more than LONG_DOCUMENT
     characters (a jsonl line, a row, a txt line or paragraph), tokenized whole in memory."""
     for doc in docs:
-        if isinstance(doc, str) and len(doc) > LONG_DOCUMENT:
-            message = (f"tokenmill: {path}: a single document of {len(doc):,} characters, "
-                       f"tokenized whole in memory (~{len(doc) // 4:,} tokens of a typical BPE); "
+        if isinstance(doc, Doc) and len(doc.text) > LONG_DOCUMENT:
+            n = len(doc.text)
+            message = (f"tokenmill: {path}: a single document of {n:,} characters, "
+                       f"tokenized whole in memory (~{n // 4:,} tokens of a typical BPE); "
                        "cut such documents into smaller ones (.txt: --txt-mode lines or paragraphs)")
             if path not in _WARNED_LONG:
                 _WARNED_LONG.add(path)
@@ -202,7 +206,8 @@ def read_documents(inputs: str | os.PathLike | Sequence[str | os.PathLike],
     yield from skips
     units = plan_units(files, config)
     for unit, payload in zip(units, unit_payloads(units, 0, config)):
-        yield from read_unit(unit, config, payload)
+        for item in read_unit(unit, config, payload):
+            yield item.text if isinstance(item, Doc) else item
 
 
 def dataset_files(directory: str, read: Callable[[str], bytes] | None = None) -> list[str] | None:

@@ -57,7 +57,8 @@ def one_input(data: bytes) -> None:
                 if isinstance(item, sources.Skip):
                     assert item.path == path and WHERE.fullmatch(item.where), item
                 else:
-                    assert type(item) is str and item and item.encode("utf-8", "surrogatepass")
+                    text = item.text
+                    assert type(text) is str and text and text.encode("utf-8", "surrogatepass")
     except InputError as e:
         if policy == "skip" or e.path != path or not WHERE.fullmatch(e.where or ""):
             raise

@@ -28,8 +28,8 @@ def digest(docs) -> tuple[int, str]:
     """(count, xxh3-64 of every document and a separator): exact equality, bounded memory."""
     h, n = xxhash.xxh3_64(), 0
     for d in docs:
-        assert isinstance(d, str), d
-        h.update(d.encode())
+        assert isinstance(d, sources.Doc), d
+        h.update(d.text.encode())
         h.update(b"\xff")  # never in UTF-8: documents cannot run together
         n += 1
     return n, h.hexdigest()

@@ -290,8 +290,8 @@ def read_all(path: Path, config: sources.SourceConfig) -> tuple[list, InputError
                     assert x.reason in sources.REASONS, x
                     items.append(("skip", x.where, x.reason))
                 else:
-                    assert type(x) is str and x, repr(x)
-                    items.append(("doc", x))
+                    assert type(x) is sources.Doc and type(x.text) is str and x.text, repr(x)
+                    items.append(("doc", x.text))
     except InputError as e:
         assert e.path == str(path) and e.where and WHERE.fullmatch(e.where), (e, e.path, e.where)
         assert str(path) in str(e), e

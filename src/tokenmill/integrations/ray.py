@@ -23,7 +23,10 @@ Staging, beside the shards (a shared filesystem or a URL every node reaches)::
 
     <out>/.progress/units/unit-NNNNNNN.bin    the unit's tokens, little-endian, store dtype
     <out>/.progress/units/unit-NNNNNNN.json   {"key", "unit", "num_tokens", "lengths", "skips",
-                                               "digest"}
+                                               "digest", "lines", "newlines"}
+
+Each shard's ``.src`` (where its documents came from) is written by its write task; the driver
+turns staged lines into lines of the file in unit order (``prepare.run.origins_of``).
 
 A unit's files are deleted once a committed shard's cursor has passed it. At most ``window``
 (2 × CPUs) tasks are in flight and at most ``window`` staged units wait for their turn, so the
@@ -47,11 +50,11 @@ import xxhash
 from tokenmill import sources
 from tokenmill.errors import ConfigError, StoreError, TokenmillError
 from tokenmill.io import atomic_write_bytes, filesystem, is_url, json_bytes
-from tokenmill.prepare.run import (Progress, Run, finish, report, start_run, summary_line,
-                                   unit_weights)
+from tokenmill.prepare.run import (Progress, Run, finish, origins_of, report, start_run,
+                                   summary_line, unit_weights)
 from tokenmill.prepare.tokenize import PrepareConfig, config_tokenizer, tokenize_unit
 from tokenmill.procs import resolve_workers
-from tokenmill.store.format import idx_bytes, shard_name
+from tokenmill.store.format import Origins, idx_bytes, shard_name, src_bytes
 from tokenmill.store.writer import PROGRESS, ShardInfo
 
 UNITS = "units"
@@ -88,13 +91,16 @@ class Job:
 
 class Staged(NamedTuple):
     """A stage task's answer: unit ``index``'s document lengths, skips by document ordinal, its
-    token count and the xxh3 of its input bytes."""
+    token count, the xxh3 of its input bytes, its documents' lines and its newline count (as
+    ``UnitResult``'s)."""
 
     index: int
     lengths: np.ndarray
     skips: list[tuple[int, sources.Skip]]
     num_tokens: int
     digest: str | None = None
+    lines: np.ndarray | None = None
+    newlines: int = 0
 
 
 class Written(NamedTuple):
@@ -131,10 +137,12 @@ def stage_unit(job: Job, u: int, unit: sources.Unit) -> Staged:
     tokens_file, meta_file = job.unit_file(u, ".bin"), job.unit_file(u, ".json")
     meta = _read_json(meta_file, job.storage_options)
     if (meta is not None and meta["key"] == job.key and meta["unit"] == list(astuple(unit))
+            and "lines" in meta  # staged before origins were recorded: redone
             and _size(tokens_file, job.storage_options) == meta["num_tokens"] * dtype.itemsize):
         skips = [(o, sources.Skip(**s)) for o, s in meta["skips"]]
         return Staged(u, np.asarray(meta["lengths"], dtype=np.int64), skips, meta["num_tokens"],
-                      meta.get("digest"))
+                      meta.get("digest"), np.asarray(meta["lines"], dtype=np.int64),
+                      meta["newlines"])
     c = job.config
     tok = config_tokenizer(c.tokenizer if c.tokenizer == "bytes" else job.local(c.tokenizer),
                            c.tokenizer_engine, c.eos, c.bos)
@@ -144,15 +152,15 @@ def stage_unit(job: Job, u: int, unit: sources.Unit) -> Staged:
     _put(tokens_file, res.tokens.astype(dtype).tobytes(), job.storage_options)
     meta = {"key": job.key, "unit": list(astuple(unit)), "num_tokens": len(res.tokens),
             "lengths": res.lengths.tolist(), "skips": [(o, asdict(s)) for o, s in skips],
-            "digest": res.digest}
+            "digest": res.digest, "lines": res.lines.tolist(), "newlines": res.newlines}
     _put(meta_file, json_bytes(meta), job.storage_options)  # last: it vouches for the tokens
-    return Staged(u, res.lengths, skips, len(res.tokens), res.digest)
+    return Staged(u, res.lengths, skips, len(res.tokens), res.digest, res.lines, res.newlines)
 
 
 def write_shard(job: Job, index: int, pieces: list[tuple[int, int, int]],
-                lengths: np.ndarray) -> Written:
-    """Write shard ``index`` from token ranges ``(unit, start, stop)`` of staged units — the
-    bytes ``ShardWriter`` writes for the same documents."""
+                lengths: np.ndarray, origins: Origins) -> Written:
+    """Write shard ``index`` from token ranges ``(unit, start, stop)`` of staged units, and its
+    documents' ``origins`` — the bytes ``ShardWriter`` writes for the same documents."""
     dtype = np.dtype(job.dtype)
     tokens = np.empty(sum(b - a for _, a, b in pieces), dtype=dtype.newbyteorder("<"))
     at = 0
@@ -163,12 +171,15 @@ def write_shard(job: Job, index: int, pieces: list[tuple[int, int, int]],
     data = memoryview(tokens).cast("B")
     idx = idx_bytes(lengths, dtype)
     name = shard_name(index)
+    src = src_bytes(origins)
+    _put(f"{job.out}/{name}.src", src, job.storage_options)
     _put(f"{job.out}/{name}.bin", data, job.storage_options)
     _put(f"{job.out}/{name}.idx", idx, job.storage_options)
     return Written(index, ShardInfo(name=name, num_documents=len(lengths), num_tokens=len(tokens),
                                     bin_bytes=data.nbytes, idx_bytes=len(idx),
                                     bin_xxh3=xxhash.xxh3_64_hexdigest(data),
-                                    idx_xxh3=xxhash.xxh3_64_hexdigest(idx)))
+                                    idx_xxh3=xxhash.xxh3_64_hexdigest(idx), src_bytes=len(src),
+                                    src_xxh3=xxhash.xxh3_64_hexdigest(src)))
 
 
 def _put(path: str, data, storage_options) -> None:
@@ -293,11 +304,13 @@ def _connect(ray, address: str | None, workers: int | str) -> bool:
 
 
 class ShardPlan(NamedTuple):
-    """A shard the driver has cut: its index, token ranges of staged units, document lengths."""
+    """A shard the driver has cut: its index, token ranges of staged units, document lengths and
+    origins."""
 
     index: int
     pieces: list[tuple[int, int, int]]
     lengths: np.ndarray
+    origins: Origins
 
 
 class Driver:
@@ -320,6 +333,8 @@ class Driver:
         self.next_shard = self.commit_next = len(run.writer.shards)
         self.pieces: list[tuple[int, int, int]] = []
         self.piece_lengths: list[np.ndarray] = []
+        self.piece_origins: list[Origins] = []
+        self.origins = origins_of(run.files, run.units, job.storage_options)
         self.fill = 0
 
     def run(self) -> None:
@@ -364,7 +379,8 @@ class Driver:
         if self.frontier == n_units and self.pieces:  # ShardWriter.finish: the last shard
             if self.fill > 0:
                 self.close((n_units, 0))
-            self.pieces, self.piece_lengths = [], []  # trailing 0-token documents: dropped too
+            self.pieces, self.piece_lengths, self.piece_origins = [], [], []  # trailing 0-token
+            # documents: dropped too
 
     def consume(self, st: Staged) -> None:
         """Unit ``st.index``'s documents (from the resume point on) into the shards being cut."""
@@ -372,26 +388,30 @@ class Driver:
         d0 = self.start[1] if u == self.start[0] else 0
         self.writer.note_unit(u, d0, st.skips, st.digest)
         t0 = int(st.lengths[:d0].sum())
-        lengths = st.lengths[d0:]
+        lengths, origins = st.lengths[d0:], self.origins(u, st).part(d0)
         ends = np.concatenate([[0], np.cumsum(lengths)])
         closes, after = cut(lengths, self.fill, self.job.config.shard_tokens)
         start = 0
         for stop in closes:
             self.pieces.append((u, t0 + int(ends[start]), t0 + int(ends[stop])))
             self.piece_lengths.append(lengths[start:stop])
+            self.piece_origins.append(origins.part(start, stop))
             self.close((u, d0 + stop))
             start = stop
         if start < len(lengths):
             self.pieces.append((u, t0 + int(ends[start]), t0 + int(ends[-1])))
             self.piece_lengths.append(lengths[start:])
+            self.piece_origins.append(origins.part(start))
         self.fill = after
 
     def close(self, at: tuple[int, int]) -> None:
         """The shard being cut ends here; reading resumes at ``at`` after it."""
         self.ready.append(ShardPlan(self.next_shard, self.pieces,
-                                    np.concatenate(self.piece_lengths)))
+                                    np.concatenate(self.piece_lengths),
+                                    Origins.concat(self.piece_origins)))
         self.cursors[self.next_shard] = at
         self.next_shard, self.pieces, self.piece_lengths, self.fill = self.next_shard + 1, [], [], 0
+        self.piece_origins = []
 
     def on_written(self, done: Written) -> None:
         """Commit written shards in order; drop staged units no uncommitted shard reads."""

@@ -13,6 +13,10 @@ Resume key: the settings that decide the store's bytes, the unit size (cursors c
 every input file with its size. Inputs are compared by content too: each progress record holds
 the xxh3 of the input bytes of the units its shard holds, and a rerun recomputes them — a shard
 whose input changed (even under the same size and mtime) is redone with everything after it.
+
+Origins: every shard gets a ``.src`` (file id and line or row of each document, ``Origins``); the
+manifest's ``sources`` lists the input files the ids index (``input_name``). ``origins_of``
+turns a unit's result into them, in unit order (``readers.LineBases``).
 """
 
 from __future__ import annotations
@@ -26,13 +30,14 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import Any, Callable, Mapping, Sequence
 
-from tokenmill import sources
+from tokenmill import readers, sources
 from tokenmill.errors import ConfigError
 from tokenmill.io import file_size, is_url, redact
 from tokenmill.prepare.pool import UnitPool, ordered_results
-from tokenmill.prepare.tokenize import (PrepareConfig, engine_option, engine_record, input_name,
-                                        unit_digest)
+from tokenmill.prepare.tokenize import (PrepareConfig, UnitResult, engine_option, engine_record,
+                                        input_name, unit_digest)
 from tokenmill.procs import resolve_workers, usable_cores
+from tokenmill.store.format import SOURCES, Origins
 from tokenmill.store.upload import RemoteOut
 from tokenmill.store.writer import StoreWriter, WriterConfig
 from tokenmill.tokenizer import Tokenizer, load_tokenizer, token_dtype
@@ -95,7 +100,7 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
     writer = StoreWriter(remote.staging if remote else out,
                          WriterConfig(dtype=token_dtype(tok.vocab_size).name,
                                       shard_tokens=config.shard_tokens, key=key,
-                                      overwrite=overwrite),
+                                      overwrite=overwrite, origins=True),
                          remote=remote, check=input_check(planned, storage_options, progress))
     if writer.manifest is not None:
         done = writer.manifest
@@ -196,9 +201,10 @@ def run_local(run: Run, workers: int, pool: UnitPool | None = None) -> dict:
     meter = Progress(total=sum(weights), enabled=run.progress, done=sum(weights[:first]))
     payloads = sources.unit_payloads(units, first, run.config.source_config(run.storage_options))
     try:
+        origins = origins_of(run.files, units, run.storage_options)
         for u, res in ordered_results(units, first, workers, run.config, run.storage_options,
                                       run.tok, payloads, pool):
-            writer.add(u, 0, res.tokens, res.lengths, res.skips, res.digest)
+            writer.add(u, 0, res.tokens, res.lengths, res.skips, res.digest, origins(u, res))
             meter.update(weights[u], docs=len(res.lengths), tokens=len(res.tokens))
         manifest = finish(run)
     except BaseException:
@@ -214,7 +220,21 @@ def run_local(run: Run, workers: int, pool: UnitPool | None = None) -> dict:
 def finish(run: Run) -> dict:
     """Write the manifest of a run whose every unit is in (either engine); the manifest."""
     return run.writer.finish(run.tok.identity(), run.settings,
-                             {"tokenizer_engine": engine_record(run.tok)})
+                             {"tokenizer_engine": engine_record(run.tok),
+                              SOURCES: [input_name(f) for f in run.files]})
+
+
+def origins_of(files: Sequence[str], units: Sequence[sources.Unit],
+               storage_options) -> Callable[[int, UnitResult], Origins]:
+    """``origins(u, result)``: where unit ``u``'s documents came from, as a store records it
+    (file id: the index in ``files``); called for units in order (lines add up per file)."""
+    ids = {f: i for i, f in enumerate(files)}
+    bases = readers.LineBases(units, storage_options)
+
+    def origins(u: int, res: UnitResult) -> Origins:
+        """Unit ``u``'s documents' origins."""
+        return Origins.of(ids[units[u].path], bases.absolute(u, res.lines, res.newlines))
+    return origins
 
 
 def unit_weights(units: Sequence[sources.Unit], sizes: dict[str, int]) -> list[float]:

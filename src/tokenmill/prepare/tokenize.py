@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -22,6 +22,7 @@ import xxhash
 from tokenmill import sources
 from tokenmill.errors import ConfigError
 from tokenmill.io import CHUNK, filesystem, is_url, redact
+from tokenmill.records import Doc, LineCount
 from tokenmill.tokenizer import Tokenizer, encode_documents, load_tokenizer, token_dtype
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB uint16 shards
@@ -80,14 +81,18 @@ def input_name(path: str | os.PathLike) -> str:
 @dataclass(frozen=True)
 class UnitResult:
     """One tokenized unit: flat tokens, per-document lengths, skips by document ordinal, the
-    characters read, and an xxh3 of the input bytes the unit stands for (None: covered by the
-    file's first unit)."""
+    characters read, an xxh3 of the input bytes the unit stands for (None: covered by the file's
+    first unit), and where each document starts: ``lines`` (int64, in lockstep with ``lengths``;
+    of the file, or of the unit when ``records.unit_lines_relative``) and the unit's
+    ``newlines`` (``records.LineCount``), which ``readers.LineBases`` turns into file lines."""
 
     tokens: np.ndarray
     lengths: np.ndarray
     skips: list[tuple[int, sources.Skip]]
     chars: int
     digest: str | None = None
+    lines: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    newlines: int = 0
 
 
 @functools.lru_cache(maxsize=4)
@@ -131,15 +136,20 @@ def tokenize_unit(unit: sources.Unit, config: PrepareConfig, storage_options: Ma
     source_config = config.source_config(storage_options)
     digest = unit_digest(unit, storage_options)
     texts: list[str] = []
+    lines: list[int] = []  # a document kept is appended to both, in lockstep
     skips: list[tuple[int, sources.Skip]] = []
-    for item in sources.read_unit(unit, source_config, payload):
-        if isinstance(item, sources.Skip):
-            skips.append((len(texts), item))
+    count = LineCount()
+    for item in sources.read_unit(unit, source_config, payload, count):
+        if type(item) is Doc:
+            text, line = item
+            texts.append(text)
+            lines.append(line)
         else:
-            texts.append(item)
+            skips.append((len(texts), item))
     tokens, lengths = encode_documents(tok, texts, add_eos=config.add_eos,
                                        add_bos=config.add_bos, dtype=token_dtype(tok.vocab_size))
-    return UnitResult(tokens, lengths, skips, sum(map(len, texts)), digest)
+    return UnitResult(tokens, lengths, skips, sum(map(len, texts)), digest,
+                      np.array(lines, dtype=np.int64), count.newlines)
 
 
 def unit_digest(unit: sources.Unit, storage_options: Mapping | None = None) -> str | None:

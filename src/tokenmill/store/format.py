@@ -6,7 +6,8 @@ A store is a directory (or an fsspec URL) holding::
       manifest.json            written last, atomically: a store without it is incomplete
       shard-00000.bin          token ids of every document, back to back, no header
       shard-00000.idx          Megatron-LM indexed-dataset index (MMIDIDX v1), layout below
-      shard-00001.bin/.idx …
+      shard-00000.src          where each document came from (input file, line), layout below
+      shard-00001.bin/.idx/.src …
 
 Each ``.bin``/``.idx`` pair is a valid Megatron-LM indexed dataset, so Megatron, NeMo and
 GPT-NeoX read a shard as it is. ``.idx`` layout, little-endian, no padding::
@@ -22,6 +23,21 @@ GPT-NeoX read a shard as it is. ``.idx`` layout, little-endian, no padding::
     34+4N   8·N       int64[N]  byte offset of each sequence in .bin
     34+12N  8·M       int64[M]  document boundaries 0, 1, …, N
 
+``.src`` layout (a sidecar Megatron readers never look at), little-endian, no padding::
+
+    offset  size      field
+    0       8         magic  b"TMSRC\x00\x00\x00"
+    8       8         uint64 version = 1
+    16      8         uint64 N, document count (the shard's .idx N)
+    24      4·N       uint32[N] input file of each document: an index into the manifest's
+                                "sources" (the input files as prepare recorded them)
+    24+4N   8·N       int64[N]  1-based line where the document starts in that file (.jsonl,
+                                .txt lines/paragraphs; 1 for a whole .txt), or its row (Parquet,
+                                Arrow)
+
+A store made before sidecars (no ``src_xxh3`` in its shard entries, no ``sources``) is still a
+valid store: it only cannot say where its documents came from.
+
 Every file is written under a temporary name and renamed into place. Checksums are xxh3-64 of
 the whole file, hex. Shard names in a manifest are plain file stems inside the store
 (``shard-NNNNN``): a name with a ``/``, ``..`` or an absolute path is refused.
@@ -35,7 +51,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 import xxhash
@@ -56,7 +72,12 @@ DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 SHARD_NAME = re.compile(r"shard-\d{5,}")  # shard_name(i) for any i >= 0
 SHARD_NAMES = re.compile(r"(?:shard-\d{5,}\n)*")
-SHARD_FILE = re.compile(r"shard-(\d{5,})\.(?:bin|idx)")
+SHARD_FILE = re.compile(r"shard-(\d{5,})\.(?:bin|idx|src)")
+SHARD_EXTS = (".bin", ".idx", ".src")  # a shard's files (.src: with origins recorded)
+SRC_MAGIC = b"TMSRC\x00\x00\x00"
+SRC_VERSION = 1
+SRC_HEADER = struct.Struct("<8sQQ")  # magic, version, N: 24 bytes
+SOURCES = "sources"  # manifest: the input files a .src's file ids index
 REQUIRED = ("format", "version", "tokenizer", "dtype", "num_documents", "num_tokens", "shards")
 SHARD_FIELDS = ("name", "num_documents", "num_tokens", "bin_bytes", "idx_bytes", "bin_xxh3",
                 "idx_xxh3")
@@ -164,11 +185,77 @@ def _check_idx_header(path: Path, head: bytes, size: int) -> tuple[int, int, int
     return n, m, code
 
 
+# ---- the .src sidecar -------------------------------------------------------------------------
+
+
+class Origins(NamedTuple):
+    """Where documents came from, one entry each: input file id (uint32) and line or row (int64).
+
+    Origins.of(2, [5, 9]).files.tolist() == [2, 2]
+    """
+
+    files: np.ndarray
+    lines: np.ndarray
+
+    @classmethod
+    def of(cls, file_id: int, lines) -> Origins:
+        """Documents of one input file at these lines."""
+        lines = np.asarray(lines, dtype=np.int64)
+        return cls(np.full(len(lines), file_id, np.uint32), lines)
+
+    def part(self, start: int, stop: int | None = None) -> Origins:
+        """Documents [start, stop) (stop None: to the end)."""
+        return Origins(self.files[start:stop], self.lines[start:stop])
+
+    @classmethod
+    def concat(cls, parts: list[Origins]) -> Origins:
+        """The documents of ``parts``, one after another."""
+        if not parts:
+            return cls(np.zeros(0, np.uint32), np.zeros(0, np.int64))
+        return cls(np.concatenate([p.files for p in parts]).astype(np.uint32, copy=False),
+                   np.concatenate([p.lines for p in parts]).astype(np.int64, copy=False))
+
+
+def src_bytes(origins: Origins) -> bytes:
+    """The ``.src`` file for documents of these origins (layout in the module docstring)."""
+    n = len(origins.files)
+    assert len(origins.lines) == n, "files and lines disagree"
+    return b"".join([SRC_HEADER.pack(SRC_MAGIC, SRC_VERSION, n),
+                     np.asarray(origins.files).astype("<u4").tobytes(),
+                     np.asarray(origins.lines).astype("<i8").tobytes()])
+
+
+def parse_src(data: bytes, where: str) -> Origins:
+    """The origins in a ``.src`` file's bytes; StoreError naming ``where`` if damaged."""
+    if len(data) < SRC_HEADER.size:
+        raise StoreError(f"{where}: {len(data)} bytes is too short for a .src header; run "
+                         "'tokenmill verify', then 'tokenmill prepare' again")
+    magic, version, n = SRC_HEADER.unpack_from(data)
+    if magic != SRC_MAGIC or version != SRC_VERSION:
+        raise StoreError(f"{where}: not a tokenmill .src file of version {SRC_VERSION} "
+                         f"(magic {magic!r}, version {version})")
+    if len(data) != SRC_HEADER.size + 12 * n:
+        raise StoreError(f"{where}: expected {SRC_HEADER.size + 12 * n:,} bytes for {n:,} "
+                         f"documents, found {len(data):,}; run 'tokenmill prepare' again")
+    off = SRC_HEADER.size
+    return Origins(np.frombuffer(data, "<u4", n, off), np.frombuffer(data, "<i8", n, off + 4 * n))
+
+
 # ---- the manifest -----------------------------------------------------------------------------
 
 
+def shard_files(entry: Mapping) -> tuple[str, ...]:
+    """The files a manifest's shard entry names: .bin, .idx, and .src if it records one.
+
+    shard_files({"name": "shard-00000"}) == ("shard-00000.bin", "shard-00000.idx")
+    """
+    exts = SHARD_EXTS if entry.get("src_xxh3") is not None else SHARD_EXTS[:2]
+    return tuple(f"{entry['name']}{e}" for e in exts)
+
+
 def store_fingerprint(manifest: dict) -> str:
-    """A hash of what defines a store's content: tokenizer, dtype and every shard checksum."""
+    """A hash of what defines a store's content: tokenizer, dtype and every shard's tokens
+    (.bin and .idx checksums; not the .src: where documents came from is not their content)."""
     core = {"tokenizer": manifest["tokenizer"], "dtype": manifest["dtype"],
             "shards": [(s["bin_xxh3"], s["idx_xxh3"]) for s in manifest["shards"]]}
     return xxhash.xxh3_64_hexdigest(json.dumps(core, sort_keys=True).encode())

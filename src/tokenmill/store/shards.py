@@ -1,6 +1,7 @@
-"""Documents in, shard files out: ``ShardWriter`` writes ``shard-NNNNN.bin``/``.idx`` pairs
-(layout in ``tokenmill.store.format``), ``ShardInfo`` is what the manifest records of each, and
-``SkipLog`` counts what the readers passed over.
+"""Documents in, shard files out: ``ShardWriter`` writes ``shard-NNNNN.bin``/``.idx`` pairs and,
+when it records origins, each shard's ``.src`` (layouts in ``tokenmill.store.format``),
+``ShardInfo`` is what the manifest records of each, and ``SkipLog`` counts what the readers
+passed over.
 
 A shard closes at the first document boundary at or past ``shard_tokens``, so where shards start
 depends only on the document stream. Each file is written under a temporary name unique to the
@@ -8,6 +9,7 @@ writer (``.shard-00003.bin.tmp-<pid>-<random>``), fsynced and renamed into place
 
     w = ShardWriter("store", dtype=np.uint16, shard_tokens=1 << 26)
     closed = w.add(tokens, lengths)     # [(ShardInfo, documents of this call it holds), …]
+                                        # (origins=True: w.add(tokens, lengths, Origins(…)))
     last = w.finish()                   # the last, partly filled shard, or None
 """
 
@@ -25,7 +27,7 @@ import xxhash
 
 from tokenmill import sources
 from tokenmill.io import no_space_is_a_store_error, redact
-from tokenmill.store.format import CODE_OF_DTYPE, idx_bytes, shard_name
+from tokenmill.store.format import CODE_OF_DTYPE, Origins, idx_bytes, shard_name, src_bytes
 
 MAX_EXAMPLES = 20
 
@@ -41,14 +43,24 @@ class ShardInfo:
     idx_bytes: int
     bin_xxh3: str
     idx_xxh3: str
+    src_bytes: int | None = None  # the .src sidecar (None: origins not recorded)
+    src_xxh3: str | None = None
 
     def to_json(self) -> dict:
-        """A JSON-able dict of the fields."""
-        return dict(self.__dict__)
+        """A JSON-able dict of the fields (no ``src_*`` without a sidecar: the older format)."""
+        return {k: v for k, v in self.__dict__.items() if v is not None}
 
-    def files(self) -> tuple[str, str]:
-        """The shard's two file names."""
-        return f"{self.name}.bin", f"{self.name}.idx"
+    def file_sums(self) -> list[tuple[str, int, str]]:
+        """(file name, size, xxh3) of each of the shard's files."""
+        sums = [(f"{self.name}.bin", self.bin_bytes, self.bin_xxh3),
+                (f"{self.name}.idx", self.idx_bytes, self.idx_xxh3)]
+        if self.src_xxh3 is not None:
+            sums.append((f"{self.name}.src", self.src_bytes, self.src_xxh3))
+        return sums
+
+    def files(self) -> tuple[str, ...]:
+        """The shard's file names: .bin, .idx (and .src when origins are recorded)."""
+        return tuple(name for name, _, _ in self.file_sums())
 
 
 @dataclass
@@ -82,10 +94,12 @@ class SkipLog:
 
 class ShardWriter:
     """Streams documents into shards, closing a shard at the first document boundary at or past
-    ``shard_tokens``; each shard is written under temporary names and renamed when complete."""
+    ``shard_tokens``; each shard is written under temporary names and renamed when complete.
+    ``origins``: every ``add`` brings the documents' ``Origins``, written to each shard's .src."""
 
     def __init__(self, out_dir: str | os.PathLike, *, dtype: np.dtype, shard_tokens: int,
-                 first_shard: int = 0, on_start: Callable[[int], None] | None = None):
+                 first_shard: int = 0, on_start: Callable[[int], None] | None = None,
+                 origins: bool = False):
         if shard_tokens < 1:
             raise ValueError(f"shard_tokens must be >= 1 (got {shard_tokens=})")
         self.out_dir = Path(out_dir)
@@ -100,12 +114,20 @@ class ShardWriter:
         self._hash = None
         self._lengths: list[np.ndarray] = []
         self._tokens = 0
+        self.origins = origins
+        self._origins: list[Origins] = []
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> list[tuple[ShardInfo, int]]:
-        """Append documents; returns the shards closed meanwhile, each with how many of
-        *these* documents it holds up to its end (so the caller can record a resume cursor)."""
+    def add(self, tokens: np.ndarray, lengths: np.ndarray,
+            origins: Origins | None = None) -> list[tuple[ShardInfo, int]]:
+        """Append documents (with their origins, in lockstep, if this writer records them);
+        returns the shards closed meanwhile, each with how many of *these* documents it holds
+        up to its end (so the caller can record a resume cursor)."""
         closed = []
         lengths = np.asarray(lengths, dtype=np.int64)
+        if self.origins != (origins is not None) or (
+                origins is not None and len(origins.lines) != len(lengths)):
+            raise ValueError(f"origins are {'required' if self.origins else 'not recorded'} here, "
+                             "one per document")
         ends = np.cumsum(lengths)
         if tokens.dtype != self.dtype:
             tokens = tokens.astype(self.dtype)
@@ -118,6 +140,8 @@ class ShardWriter:
             stop = min(cut, len(lengths))
             stop_tok = int(ends[stop - 1])
             self._write(tokens[tok:stop_tok], lengths[doc:stop])
+            if origins is not None:
+                self._origins.append(origins.part(doc, stop))
             doc, tok = stop, stop_tok
             if cut <= len(lengths):
                 closed.append((self.close_shard(), doc))
@@ -155,14 +179,29 @@ class ShardWriter:
             f.write(idx)
             f.flush()
             os.fsync(f.fileno())
+        src = self._write_src() if self.origins else None
         info = ShardInfo(name=name, num_documents=len(lengths), num_tokens=self._tokens,
                          bin_bytes=self._tokens * self.dtype.itemsize, idx_bytes=len(idx),
-                         bin_xxh3=self._hash.hexdigest(), idx_xxh3=xxhash.xxh3_64_hexdigest(idx))
+                         bin_xxh3=self._hash.hexdigest(), idx_xxh3=xxhash.xxh3_64_hexdigest(idx),
+                         src_bytes=None if src is None else len(src),
+                         src_xxh3=None if src is None else xxhash.xxh3_64_hexdigest(src))
+        if src is not None:
+            os.replace(self._tmp(".src"), self.out_dir / f"{name}.src")
         os.replace(bin_tmp, self.out_dir / f"{name}.bin")
         os.replace(idx_tmp, self.out_dir / f"{name}.idx")
         self._file, self._hash, self._lengths, self._tokens = None, None, [], 0
+        self._origins = []
         self.next_index += 1
         return info
+
+    def _write_src(self) -> bytes:
+        """The open shard's .src, written under its temporary name and fsynced; its bytes."""
+        data = src_bytes(Origins.concat(self._origins))
+        with no_space_is_a_store_error(self._tmp(".src")), open(self._tmp(".src"), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return data
 
     def finish(self) -> ShardInfo | None:
         """Close the last, partly filled shard, if any documents are pending."""
@@ -176,5 +215,5 @@ class ShardWriter:
             except OSError:  # the disk is full: the buffered rest cannot be written, nor matters
                 pass
             self._file = None
-        for suffix in (".bin", ".idx"):
+        for suffix in (".bin", ".idx", ".src"):
             self._tmp(suffix).unlink(missing_ok=True)

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import os
 import queue
+import secrets
+import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from tokenmill.errors import StoreError
-from tokenmill.io import CHUNK, filesystem, list_sizes, read_bytes, redact
+from tokenmill.errors import ConcurrentWriterError, StoreError
+from tokenmill.io import CHUNK, filesystem, json_bytes, list_sizes, read_bytes, redact
 from tokenmill.store.cache import default_cache_dir, url_key
 from tokenmill.store.format import MANIFEST, SHARD_FILE
 
@@ -67,10 +72,9 @@ class RemoteOut:
         self._listing = None
 
     def has_shard(self, info) -> bool:
-        """Both files of a committed shard are in place at their recorded sizes."""
+        """Every file of a committed shard is in place at its recorded size."""
         sizes = self.sizes()
-        return (sizes.get(f"{info.name}.bin") == info.bin_bytes and
-                sizes.get(f"{info.name}.idx") == info.idx_bytes)
+        return all(sizes.get(name) == size for name, size, _ in info.file_sums())
 
     def submit(self, staging: Path, info, on_uploaded: Callable[[], None]) -> None:
         """Upload a finished shard in the background, then call ``on_uploaded`` (which commits it)
@@ -118,16 +122,16 @@ class RemoteOut:
             try:
                 self.upload_shard(staging, info)
                 on_uploaded()
-                for ext in (".bin", ".idx"):
-                    (staging / f"{info.name}{ext}").unlink(missing_ok=True)
+                for name in info.files():
+                    (staging / name).unlink(missing_ok=True)
             except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
                 self._error = e
 
     def upload_shard(self, staging: Path, info) -> None:
-        """Upload ``.bin`` and ``.idx``, then check each object's size (and MD5 ETag if single-part)."""
-        for ext, size in ((".bin", info.bin_bytes), (".idx", info.idx_bytes)):
-            local, rpath = staging / f"{info.name}{ext}", self._rpath(f"{info.name}{ext}")
-            url = redact(f"{self.url}/{info.name}{ext}")
+        """Upload the shard's files, then check each object's size (and MD5 ETag if single-part)."""
+        for name, size, _ in info.file_sums():
+            local, rpath = staging / name, self._rpath(name)
+            url = redact(f"{self.url}/{name}")
             with upload_errors(url):
                 self.fs.put_file(str(local), rpath)
                 self.fs.invalidate_cache(rpath)
@@ -168,3 +172,74 @@ def _md5_file(path: Path) -> str:
         while chunk := f.read(CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+# ---- a URL output's lock ------------------------------------------------------------------------
+
+LEASE = ".lease.json"  # a URL output's lock (see Lease)
+LEASE_S = 120.0
+
+
+class Lease:
+    """A URL output's claim on other machines: ``<url>/.lease.json`` ({"pid", "host", "token",
+    "expires"}), renewed every LEASE_S / 4 seconds while held, deleted on release. Object stores
+    have no flock; a writer whose lease is live is refused (clocks must roughly agree), unless its
+    process is known dead: taken on this machine by a pid that no longer runs."""
+
+    def __init__(self, remote: RemoteOut, where: str):
+        self.remote, self.url = remote, f"{remote.url}/{LEASE}"
+        self.me = {"pid": os.getpid(), "host": socket.gethostname(), "token": secrets.token_hex(8)}
+        held = self.read()
+        if held and held.get("expires", 0) > time.time() and not self.dead(held):
+            until = time.strftime("%H:%M:%S", time.localtime(held["expires"]))
+            raise ConcurrentWriterError(
+                f"{where}: another tokenmill process (pid {held.get('pid')} on "
+                f"{held.get('host')}) is writing this store right now (its lease runs until "
+                f"{until} unless renewed); wait for it to finish (if it died, rerun after that "
+                "time), or choose another --out", path=where, pid=held.get("pid"))
+        with upload_errors(redact(self.url)):  # e.g. an HTTP server that takes no PUT
+            remote.fs.makedirs(remote.root, exist_ok=True)  # a no-op on object stores
+        self.write()
+        self.stop = threading.Event()
+        threading.Thread(target=self.renew, daemon=True, name="tokenmill-lease").start()
+
+    def dead(self, held: dict) -> bool:
+        """A lease taken on this machine by a process that is gone (killed: never released)."""
+        if held.get("host") != self.me["host"] or not isinstance(held.get("pid"), int):
+            return False
+        try:
+            os.kill(held["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, another user's
+            return False
+        return False
+
+    def read(self) -> dict | None:
+        """The lease in the bucket, if any."""
+        try:
+            data = read_bytes(self.url, self.remote.storage_options)
+            return json.loads(data) if data else None
+        except ValueError:
+            return None
+
+    def write(self) -> None:
+        """Put our lease, good for LEASE_S seconds."""
+        with upload_errors(redact(self.url)):
+            self.remote.fs.pipe_file(f"{self.remote.root}/{LEASE}",
+                                     json_bytes({**self.me, "expires": time.time() + LEASE_S}))
+
+    def renew(self) -> None:
+        """Keep the lease alive until released."""
+        while not self.stop.wait(LEASE_S / 4):
+            try:
+                self.write()
+            except StoreError:  # a blip: the next renewal tries again
+                pass
+
+    def release(self) -> None:
+        """Stop renewing and delete the lease if it is still ours."""
+        self.stop.set()
+        if (self.read() or {}).get("token") == self.me["token"]:
+            with upload_errors(redact(self.url)):
+                self.remote.fs.rm_file(f"{self.remote.root}/{LEASE}")

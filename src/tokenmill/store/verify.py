@@ -1,4 +1,5 @@
-"""Checking a store: structure, sizes and every checksum, local or remote."""
+"""Checking a store: structure, sizes and every checksum (the ``.src`` sidecars' too), local or
+remote."""
 
 from __future__ import annotations
 
@@ -11,7 +12,16 @@ import numpy as np
 from tokenmill.errors import StoreError
 from tokenmill.io import is_url, json_bytes, list_sizes, redact, xxh3_file
 from tokenmill.store.cache import ShardCache
-from tokenmill.store.format import MANIFEST, MANIFEST_CHECKSUM, read_idx, read_manifest
+from tokenmill.store.format import (MANIFEST, MANIFEST_CHECKSUM, SOURCES, parse_src, read_idx,
+                                    read_manifest)
+
+_FILES = ((".bin", "bin_bytes", "bin_xxh3"), (".idx", "idx_bytes", "idx_xxh3"))
+_SRC = (".src", "src_bytes", "src_xxh3")
+
+
+def _files(shard: dict) -> tuple[tuple[str, str, str], ...]:
+    """(extension, size key, checksum key) of each file a shard entry names."""
+    return _FILES + ((_SRC,) if shard.get("src_xxh3") is not None else ())
 
 
 def verify_store(path: str | os.PathLike, *, storage_options: dict | None = None) -> list[str]:
@@ -34,8 +44,7 @@ def verify_store(path: str | os.PathLike, *, storage_options: dict | None = None
         problems.append(f"{path / MANIFEST}: same fields, other bytes than tokenmill writes "
                         "(damaged, or edited)")
     for s in manifest["shards"]:
-        for ext, size_key, sum_key in ((".bin", "bin_bytes", "bin_xxh3"),
-                                       (".idx", "idx_bytes", "idx_xxh3")):
+        for ext, size_key, sum_key in _files(s):
             f = path / f"{s['name']}{ext}"
             if not f.exists():
                 problems.append(f"{f}: missing")
@@ -50,6 +59,9 @@ def verify_store(path: str | os.PathLike, *, storage_options: dict | None = None
         f = path / f"{s['name']}.idx"
         if not any(p.startswith(str(f)) for p in problems):
             problems.extend(_check_idx_structure(f, s, np.dtype(manifest["dtype"])))
+        f = path / f"{s['name']}.src"
+        if s.get("src_xxh3") is not None and not any(p.startswith(str(f)) for p in problems):
+            problems.extend(_check_src(f, s, manifest))
     if not problems:
         problems += _check_totals(manifest, path / MANIFEST)
     return problems
@@ -65,8 +77,7 @@ def _verify_remote(url: str, storage_options: dict | None) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="tokenmill-verify-") as tmp:
         cache = ShardCache(tmp, 1 << 62, storage_options=storage_options)
         for s in manifest["shards"]:
-            for ext, size_key, sum_key in ((".bin", "bin_bytes", "bin_xxh3"),
-                                           (".idx", "idx_bytes", "idx_xxh3")):
+            for ext, size_key, sum_key in _files(s):
                 f = f"{url}/{s['name']}{ext}"
                 got = sizes.get(f"{s['name']}{ext}")
                 if got is None or got != s[size_key]:
@@ -81,6 +92,8 @@ def _verify_remote(url: str, storage_options: dict | None) -> list[str]:
                 if ext == ".idx":
                     problems += [p.replace(str(local), f) for p in
                                  _check_idx_structure(local, s, np.dtype(manifest["dtype"]))]
+                elif ext == ".src":
+                    problems += [p.replace(str(local), f) for p in _check_src(local, s, manifest)]
                 local.unlink()
     if not problems:
         problems += _check_totals(manifest, f"{url}/{MANIFEST}")
@@ -93,6 +106,22 @@ def _check_totals(manifest: dict, where) -> list[str]:
     if total != manifest["num_tokens"] or docs != manifest["num_documents"]:
         return [f"{where}: totals ({manifest['num_documents']:,} documents, "
                 f"{manifest['num_tokens']:,} tokens) disagree with its shards ({docs:,}, {total:,})"]
+    return []
+
+
+def _check_src(f: Path, shard: dict, manifest: dict) -> list[str]:
+    """A .src names one origin per document of its shard, each in a file the manifest lists."""
+    try:
+        origins = parse_src(Path(f).read_bytes(), str(f))
+    except StoreError as e:
+        return [str(e)]
+    files = manifest.get(SOURCES)
+    if len(origins.lines) != shard["num_documents"]:
+        return [f"{f}: {len(origins.lines):,} origins for {shard['num_documents']:,} documents"]
+    if not isinstance(files, list) or (len(origins.files) and int(origins.files.max()) >= len(files)):
+        return [f"{f}: names input files that the manifest's {SOURCES!r} does not list"]
+    if len(origins.lines) and int(origins.lines.min()) < 1:
+        return [f"{f}: a line or row below 1"]
     return []
 
 

@@ -18,7 +18,8 @@ caller checks them) and redoes the rest.
 
 Ownership: the writer deletes or overwrites only files whose names are a store's *and* that a
 manifest, record or ``.pending`` in this output names. Anything else is left alone; a
-``shard-NNNNN.bin``/``.idx`` that nothing here names is refused, by name, never deleted.
+``shard-NNNNN.bin``/``.idx``/``.src`` that nothing here names is refused, by name, never deleted.
+A shard's ``.src`` (``WriterConfig.origins``) is written, committed and removed with its pair.
 
 A URL output is staged in a local folder (``.lock`` and ``.progress`` live there) and uploaded
 shard by shard; as object stores have no locks, writers on other machines are kept out by a
@@ -30,9 +31,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,11 +42,12 @@ import numpy as np
 from tokenmill import sources
 from tokenmill.errors import (ConcurrentWriterError, ConfigError, InputError, StoreError,
                               os_error_text)
-from tokenmill.io import (atomic_write_json, json_bytes, list_sizes, lock_file, read_bytes, redact,
+from tokenmill.io import (atomic_write_json, json_bytes, list_sizes, lock_file, redact,
                           unlock, xxh3_file)
-from tokenmill.store.format import MANIFEST, SHARD_FILE, build_manifest, parse_manifest, shard_name
+from tokenmill.store.format import (MANIFEST, SHARD_EXTS, SHARD_FILE, Origins, build_manifest,
+                                    parse_manifest, shard_files, shard_name)
 from tokenmill.store.shards import MAX_EXAMPLES, ShardInfo, ShardWriter, SkipLog
-from tokenmill.store.upload import RemoteOut, upload_errors
+from tokenmill.store.upload import LEASE, Lease, RemoteOut, upload_errors
 
 __all__ = ["KEY_FILE", "LEASE", "LOCK", "Lease", "MAX_EXAMPLES", "PROGRESS", "ShardInfo", "ShardWriter", "SkipLog",
            "StoreWriter", "WriterConfig", "describe_change", "take_lock"]
@@ -55,10 +55,8 @@ __all__ = ["KEY_FILE", "LEASE", "LOCK", "Lease", "MAX_EXAMPLES", "PROGRESS", "Sh
 LOCK = ".lock"
 PROGRESS = ".progress"
 KEY_FILE = "key.json"
-LEASE = ".lease.json"  # a URL output's lock (see Lease)
-LEASE_S = 120.0
 RECORD = re.compile(r"(shard-\d{5,})\.(json|pending)")
-OUR_TEMP = re.compile(r"\.(?:shard-\d{5,}\.(?:bin|idx)|manifest\.json)\.tmp(?:-\d+-[0-9a-f]+)?")
+OUR_TEMP = re.compile(r"\.(?:shard-\d{5,}\.(?:bin|idx|src)|manifest\.json)\.tmp(?:-\d+-[0-9a-f]+)?")
 PROGRESS_TEMP = re.compile(r"\.(?:shard-\d{5,}\.json|key\.json)\.tmp-\d+-[0-9a-f]+")
 
 
@@ -125,71 +123,7 @@ class WriterConfig:
     shard_tokens: int
     key: dict  # the resume key: a rerun resumes only when it is equal (needs key["settings"])
     overwrite: bool = False
-
-
-class Lease:
-    """A URL output's claim on other machines: ``<url>/.lease.json`` ({"pid", "host", "token",
-    "expires"}), renewed every LEASE_S / 4 seconds while held, deleted on release. Object stores
-    have no flock; a writer whose lease is live is refused (clocks must roughly agree), unless its
-    process is known dead: taken on this machine by a pid that no longer runs."""
-
-    def __init__(self, remote: RemoteOut, where: str):
-        self.remote, self.url = remote, f"{remote.url}/{LEASE}"
-        self.me = {"pid": os.getpid(), "host": socket.gethostname(), "token": secrets.token_hex(8)}
-        held = self.read()
-        if held and held.get("expires", 0) > time.time() and not self.dead(held):
-            until = time.strftime("%H:%M:%S", time.localtime(held["expires"]))
-            raise ConcurrentWriterError(
-                f"{where}: another tokenmill process (pid {held.get('pid')} on "
-                f"{held.get('host')}) is writing this store right now (its lease runs until "
-                f"{until} unless renewed); wait for it to finish (if it died, rerun after that "
-                "time), or choose another --out", path=where, pid=held.get("pid"))
-        with upload_errors(redact(self.url)):  # e.g. an HTTP server that takes no PUT
-            remote.fs.makedirs(remote.root, exist_ok=True)  # a no-op on object stores
-        self.write()
-        self.stop = threading.Event()
-        threading.Thread(target=self.renew, daemon=True, name="tokenmill-lease").start()
-
-    def dead(self, held: dict) -> bool:
-        """A lease taken on this machine by a process that is gone (killed: never released)."""
-        if held.get("host") != self.me["host"] or not isinstance(held.get("pid"), int):
-            return False
-        try:
-            os.kill(held["pid"], 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # alive, another user's
-            return False
-        return False
-
-    def read(self) -> dict | None:
-        """The lease in the bucket, if any."""
-        try:
-            data = read_bytes(self.url, self.remote.storage_options)
-            return json.loads(data) if data else None
-        except ValueError:
-            return None
-
-    def write(self) -> None:
-        """Put our lease, good for LEASE_S seconds."""
-        with upload_errors(redact(self.url)):
-            self.remote.fs.pipe_file(f"{self.remote.root}/{LEASE}",
-                                     json_bytes({**self.me, "expires": time.time() + LEASE_S}))
-
-    def renew(self) -> None:
-        """Keep the lease alive until released."""
-        while not self.stop.wait(LEASE_S / 4):
-            try:
-                self.write()
-            except StoreError:  # a blip: the next renewal tries again
-                pass
-
-    def release(self) -> None:
-        """Stop renewing and delete the lease if it is still ours."""
-        self.stop.set()
-        if (self.read() or {}).get("token") == self.me["token"]:
-            with upload_errors(redact(self.url)):
-                self.remote.fs.rm_file(f"{self.remote.root}/{LEASE}")
+    origins: bool = False  # each shard gets a .src: where its documents came from
 
 
 class StoreWriter:
@@ -278,7 +212,7 @@ class StoreWriter:
                 (self.out / MANIFEST).read_bytes() if (self.out / MANIFEST).exists() else None)
         records, pending = self._records()
         ours = {f for r in records for f in ShardInfo(**r["shard"]).files()}
-        ours |= {f"{shard_name(i)}{e}" for i in pending for e in (".bin", ".idx")}
+        ours |= {f"{shard_name(i)}{e}" for i in pending for e in SHARD_EXTS}
         if data is None:
             self._refuse_strays(ours)
             return None
@@ -288,7 +222,7 @@ class StoreWriter:
             raise StoreError(f"{e}. tokenmill replaces only a store whose manifest it can read: "
                              f"move {MANIFEST} away (or delete it yourself), or choose another "
                              "--out") from None
-        listed = {f"{s['name']}{e}" for s in manifest["shards"] for e in (".bin", ".idx")}
+        listed = {f for s in manifest["shards"] for f in shard_files(s)}
         self._refuse_strays(ours | listed)
         settings = manifest.get("settings")
         if settings == self.config.key["settings"] and not self.config.overwrite:
@@ -320,7 +254,7 @@ class StoreWriter:
                 (check is None or check(records[kept])):
             kept += 1
         drop = {i for i in pending if i >= kept} | set(range(kept, len(records)))
-        self._remove(sorted(f"{shard_name(i)}{e}" for i in drop for e in (".bin", ".idx")))
+        self._remove(sorted(f"{shard_name(i)}{e}" for i in drop for e in SHARD_EXTS))
         for i in sorted(drop | pending):  # a kept shard's marker outlived its record: stale
             for ext in (".json", ".pending") if i >= kept else (".pending",):
                 (self.pdir / f"{shard_name(i)}{ext}").unlink(missing_ok=True)
@@ -344,10 +278,11 @@ class StoreWriter:
         """A committed shard's files are in place with their recorded sizes and checksums (for a
         URL output: their sizes, and the objects are not re-read)."""
         info = ShardInfo(**record["shard"])
+        if self.config.origins and info.src_xxh3 is None:
+            return False  # an older run's shard, without the .src this run records
         if self.remote is not None:
             return self.remote.has_shard(info)
-        for name, size, digest in zip(info.files(), (info.bin_bytes, info.idx_bytes),
-                                      (info.bin_xxh3, info.idx_xxh3)):
+        for name, size, digest in info.file_sums():
             f = self.out / name
             if not f.is_file() or f.stat().st_size != size or xxh3_file(f) != digest:
                 return False
@@ -406,20 +341,24 @@ class StoreWriter:
             self._digests[u] = digest
 
     def add(self, u: int, d0: int, tokens: np.ndarray, lengths: np.ndarray,
-            skips: Iterable[tuple[int, sources.Skip]] = (), digest: str | None = None) -> None:
-        """Unit ``u``'s documents from its document ``d0`` on, units in order; documents before
-        the resume cursor are dropped (a resumed run re-reads its first unit)."""
+            skips: Iterable[tuple[int, sources.Skip]] = (), digest: str | None = None,
+            origins: Origins | None = None) -> None:
+        """Unit ``u``'s documents from its document ``d0`` on (and their ``origins``, in
+        lockstep, when ``config.origins``), units in order; documents before the resume cursor
+        are dropped (a resumed run re-reads its first unit)."""
         cu, cd = self.cursor
         if u < cu:
             return
         if u == cu and cd > d0:
-            tokens, lengths, d0 = tokens[int(lengths[:cd - d0].sum()):], lengths[cd - d0:], cd
+            tokens, lengths = tokens[int(lengths[:cd - d0].sum()):], lengths[cd - d0:]
+            origins, d0 = None if origins is None else origins.part(cd - d0), cd
         if self._writer is None:
             self._writer = ShardWriter(self.out, dtype=np.dtype(self.config.dtype),
                                        shard_tokens=self.config.shard_tokens,
-                                       first_shard=len(self.shards), on_start=self.pend)
+                                       first_shard=len(self.shards), on_start=self.pend,
+                                       origins=self.config.origins)
         self.note_unit(u, d0, skips, digest)
-        for info, n_docs in self._writer.add(tokens, lengths):
+        for info, n_docs in self._writer.add(tokens, lengths, origins):
             self.commit(info, (u, d0 + n_docs))
         self.cursor = (u + 1, 0)
 

@@ -9,7 +9,11 @@ shard), the manifest last. One process writes a cache — the one holding the wr
 its manifest, or take the lock and finish the store themselves if its writer went away.
 
     writer = claim_writer(plan, tokenizer, stats)   # None: another process writes it, or done
-    writer.add(u, d0, tokens, lengths, skips, digest)   # unit by unit, in order; then finish()
+    writer.add(u, d0, tokens, lengths, skips, digest, writer.origins(u, res).part(d0))
+                                                    # unit by unit, in order; then finish()
+
+Origins are recorded as prepare records them (each shard's ``.src``, the manifest's
+``sources``), so ``explain`` names the input file and line of a streamed pass's documents too.
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ import numpy as np
 
 from tokenmill import sources
 from tokenmill.errors import ConcurrentWriterError
-from tokenmill.prepare.run import input_check
-from tokenmill.prepare.tokenize import engine_record
-from tokenmill.store.format import MANIFEST
+from tokenmill.prepare.run import input_check, origins_of
+from tokenmill.prepare.tokenize import engine_record, input_name
+from tokenmill.store.format import MANIFEST, SOURCES, Origins
 from tokenmill.store.writer import StoreWriter, WriterConfig
 from tokenmill.streaming.plan import Cursor, StreamPlan
 from tokenmill.tokenizer import Tokenizer
@@ -46,19 +50,25 @@ class CacheWriter:
                 writer.skips.add(skip)
         token = sum(info.num_tokens for info in writer.shards)
         self.resume_cursor = Cursor(*writer.cursor, token)  # where its committed shards end
+        self.files = list(dict.fromkeys(unit.path for unit in plan.units))  # every file has units
+        self.origins = origins_of(self.files, plan.units, plan.storage_options)  # units in order
 
     def add(self, u: int, d0: int, tokens: np.ndarray, lengths: np.ndarray,
-            skips: list[tuple[int, sources.Skip]], digest: str | None) -> None:
-        """Unit u's documents from document d0 on; those already committed are dropped."""
+            skips: list[tuple[int, sources.Skip]], digest: str | None,
+            origins: Origins | None = None) -> None:
+        """Unit u's documents from document d0 on (``origins``: theirs, from ``self.origins``);
+        those already committed are dropped."""
         t0 = time.perf_counter()
-        self.writer.add(u, d0, tokens, lengths, skips, digest)
+        self.writer.add(u, d0, tokens, lengths, skips, digest, origins)
         self.stats["write"] += time.perf_counter() - t0
 
     def finish(self) -> None:
         """Close the last shard, write the manifest (last, atomically), release the lock."""
         t0 = time.perf_counter()
-        self.writer.finish(self.identity, self.plan.settings,
-                           None if self.engine is None else {"tokenizer_engine": self.engine})
+        extra = {SOURCES: [input_name(f) for f in self.files]}
+        if self.engine is not None:
+            extra["tokenizer_engine"] = self.engine
+        self.writer.finish(self.identity, self.plan.settings, extra)
         self.stats["write"] += time.perf_counter() - t0
 
     def abort(self) -> None:
@@ -74,7 +84,7 @@ def store_complete(plan: StreamPlan) -> bool:
 def writer_config(plan: StreamPlan) -> WriterConfig:
     """The store writer's settings: prepare's, keyed by the plan (inputs, options, unit size)."""
     return WriterConfig(dtype=plan.dtype.name, shard_tokens=plan.config.shard_tokens,
-                        key={"settings": plan.settings, "stream": plan.key})
+                        key={"settings": plan.settings, "stream": plan.key}, origins=True)
 
 
 def claim_writer(plan: StreamPlan, tokenizer: Tokenizer, stats: dict) -> CacheWriter | None:

@@ -135,7 +135,8 @@ class TextWindows:
         if d0:
             tokens, lengths = tokens[int(lengths[:d0].sum()):], lengths[d0:]
         if self.writer is not None:
-            self.writer.add(u, d0, tokens, lengths, res.skips, res.digest)
+            self.writer.add(u, d0, tokens, lengths, res.skips, res.digest,
+                            self.writer.origins(u, res).part(d0))
         if self.on_unit is not None:
             self.on_unit(self.next, lengths)
         self.cursors.append(self.next)
