@@ -39,11 +39,12 @@ import io
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 from tokenmill.decompress import open_stream, skip_bytes
 from tokenmill.errors import InputError
 from tokenmill.io import file_size, open_binary
-from tokenmill.records import COMPRESSED, Report, Skip, SourceConfig, Unit, io_errors
+from tokenmill.records import COMPRESSED, Record, Report, Skip, SourceConfig, Unit, io_errors
 
 _CHUNK = 1 << 20  # read 1 MiB blocks of whole lines: memory stays bounded whatever unit_bytes is
 _SNIFF = 8192  # a NUL byte in the first 8 KiB of content marks a binary file
@@ -155,7 +156,7 @@ def _plain_docs(unit: Unit, fmt: str, config: SourceConfig, report: Report, payl
         track.base = base = _line_base(unit.path, fmt, pos, config.storage_options)
         blocks = _blocks(f, stop - pos if stop >= 0 else -1, track, bom=pos == 0)
         if fmt != "txt":
-            yield from _jsonl_docs(blocks, config.text_key, report, base)
+            yield from _json_reader(config)(blocks, config.text_key, report, base)
         elif mode == "lines":
             yield from _line_docs(blocks, report, base)
         else:
@@ -182,7 +183,7 @@ def _stream_docs(unit: Unit, fmt: str, config: SourceConfig, report: Report, pay
             unit.path, fmt, unit.start, config.storage_options)
         track.base = base
         blocks = _blocks(f, limit, track, carry=head, bom=unit.start == 0)
-        yield from _jsonl_docs(blocks, config.text_key, report, base)
+        yield from _json_reader(config)(blocks, config.text_key, report, base)
 
 
 def _sniff(head: bytes) -> tuple[str, str] | None:
@@ -309,6 +310,32 @@ def _jsonl_docs(blocks, key: str, report, base) -> Iterator[str | Skip]:
                     ("empty_document", f"{key!r} is empty") if text == "" else
                     ("non_string_field", f"{key!r} is {_kind(text)}")))
         done += len(lines)
+
+
+def _json_reader(config: SourceConfig):
+    """What reads a JSONL unit's lines: their text_key (the fast path), or whole records."""
+    return _jsonl_records if config.records else _jsonl_docs
+
+
+def _jsonl_records(blocks, key: str, report, base) -> Iterator[Record | Skip]:
+    """Each line's whole JSON object (for a transform); what is not an object is reported."""
+    loads, done = json.loads, 0
+    for data in blocks:
+        lines, bad = _lines(data)
+        for i, line in enumerate(lines):
+            try:
+                obj = loads(line)
+            except (ValueError, TypeError, RecursionError):
+                obj = None
+            if type(obj) is dict:
+                yield Record(obj, partial(_line_place, base, done + i + 1))
+            elif problem := _json_problem(line, bad.get(i), key):
+                yield report(f"line {base() + done + i + 1}", *problem)
+        done += len(lines)
+
+
+def _line_place(base, n: int) -> str:
+    return f"line {base() + n}"
 
 
 def _json_problem(line: str | None, utf8_error: str | None, key: str) -> tuple[str, str] | None:
