@@ -91,6 +91,27 @@ def cli(site: Path, *args, env=None, wait=True):
     return subprocess.run(argv, cwd=site, capture_output=True, text=True, env=env, timeout=120)
 
 
+RUN_PREPARE = """
+import json, sys
+from tokenmill import prepare
+prepare(*json.loads(sys.argv[1]), progress=False, **json.loads(sys.argv[2]))
+"""
+
+
+def script(site: Path, out: str, wait=True, env=None, **options):
+    """prepare("x.jsonl", out=out, **options) run by a script file in ``site`` (small units: an
+    interrupted run leaves some committed, some not)."""
+    (site / "run_prepare.py").write_text(RUN_PREPARE)
+    options = {"workers": 2, "unit_bytes": 2000, "shard_tokens": 2000, **options}
+    path = os.pathsep.join([str(site / "mods"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+    argv = [sys.executable, "run_prepare.py", json.dumps(["x.jsonl"]),
+            json.dumps({"out": out, **options})]
+    if not wait:
+        return subprocess.Popen(argv, cwd=site, env=env, stderr=subprocess.DEVNULL)
+    return subprocess.run(argv, cwd=site, capture_output=True, text=True, env=env, timeout=120)
+
+
 def kill_after_first_commit(proc: subprocess.Popen, out: Path) -> None:
     deadline = time.monotonic() + 60
     while not list((out / ".progress").glob("shard-*.json")) and proc.poll() is None:
@@ -178,20 +199,22 @@ def test_a_failing_transform_names_file_row_and_transform(site):
 
 
 def test_a_resume_with_a_changed_transform_is_refused(site):
-    write_records(site / "x.jsonl", records(3000))
-    argv = ["prepare", "x.jsonl", "--out", "s", "--transform", "fmt:chat", "--workers", 1,
-            "--shard-tokens", 2000]
-    kill_after_first_commit(cli(site, *argv, env={"SLOW_TRANSFORM": "1"}, wait=False),
-                            site / "s")
+    write_records(site / "x.jsonl", records(1000))
+    kill_after_first_commit(script(site, "s", transform="fmt:chat", wait=False,
+                                   env={"SLOW_TRANSFORM": "1"}), site / "s")
     module = site / "mods" / "fmt.py"
     module.write_text(TRANSFORMS.replace('"<user> "', '"<human> "'))
-    r = cli(site, *argv)
-    assert r.returncode == 2 and "holds an unfinished prepare with other settings" in r.stderr
+    r = script(site, "s", transform="fmt:chat")
+    assert r.returncode != 0 and "holds an unfinished prepare with other settings" in r.stderr
     assert "(transform: 'fmt:chat (source xxh3 " in r.stderr, r.stderr
     module.write_text(TRANSFORMS)  # the original source: the run resumes and finishes
-    r = cli(site, *argv)
+    r = script(site, "s", transform="fmt:chat")
     assert r.returncode == 0, r.stderr
-    assert texts_of(site / "s") == expected(records(3000))
+    assert texts_of(site / "s") == expected(records(1000))
+    r = cli(site, "prepare", "x.jsonl", "--out", "s", "--transform", "fmt:boom",
+            "--shard-tokens", 2000)
+    assert r.returncode == 2 and "already holds a store prepared with other settings (transform: "\
+        "'fmt:chat (source xxh3 " in r.stderr and "→ 'fmt:boom (source xxh3 " in r.stderr
 
 
 # ---- validation split ------------------------------------------------------------------------
@@ -227,15 +250,15 @@ def test_the_split_is_disjoint_complete_and_the_same_for_any_worker_count(site):
 
 
 def test_an_interrupted_split_resumes_to_the_same_stores(site):
-    write_records(site / "x.jsonl", records(3000))
-    argv = ["prepare", "x.jsonl", "--out", "sp", "--transform", "fmt:chat", "--val-fraction",
-            0.1, "--workers", 2, "--shard-tokens", 5000]
-    kill_after_first_commit(cli(site, *argv, env={"SLOW_TRANSFORM": "1"}, wait=False),
+    write_records(site / "x.jsonl", records(1000))
+    opts = dict(transform="fmt:chat", val_fraction=0.1)
+    kill_after_first_commit(script(site, "sp", wait=False, env={"SLOW_TRANSFORM": "1"}, **opts),
                             site / "sp" / "train")
-    assert cli(site, *argv).returncode == 0
-    ref = cli(site, *[a if a != "sp" else "ref" for a in argv])
+    assert script(site, "sp", **opts).returncode == 0
+    ref = cli(site, "prepare", "x.jsonl", "--out", "ref", "--transform", "fmt:chat",
+              "--val-fraction", 0.1, "--shard-tokens", 2000, "--workers", 1)
     assert ref.returncode == 0, ref.stderr
-    for side in ("train", "val"):
+    for side in ("train", "val"):  # the CLI's other unit size and worker count: the same bytes
         assert store_bytes(site / "sp" / side) == store_bytes(site / "ref" / side)
 
 
