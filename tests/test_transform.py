@@ -3,6 +3,7 @@
 Every store here uses the byte tokenizer, so a document decodes back to its exact text.
 """
 
+import gzip
 import hashlib
 import json
 import os
@@ -125,24 +126,31 @@ def kill_after_first_commit(proc: subprocess.Popen, out: Path) -> None:
 # ---- transform -------------------------------------------------------------------------------
 
 def test_the_stores_documents_are_the_transforms_output_and_drops_are_counted(site):
-    rows = records(60)
+    rows = records(80)
     (site / "in").mkdir()
     write_records(site / "in" / "a.jsonl", rows[:40])
-    pq.write_table(pa.Table.from_pylist(rows[40:]), site / "in" / "b.parquet", row_group_size=7)
+    pq.write_table(pa.Table.from_pylist(rows[40:60]), site / "in" / "b.parquet", row_group_size=7)
     (site / "in" / "c.txt").write_text("a whole text file")
+    with gzip.open(site / "in" / "d.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows[60:70]))
+    table = pa.Table.from_pylist(rows[70:])
+    with pa.ipc.new_stream(site / "e.arrow", table.schema) as w:  # a file named: always read
+        w.write_table(table, max_chunksize=3)
     for workers in (1, 2):
-        r = cli(site, "prepare", "in", "--out", f"s{workers}", "--transform", "fmt:chat",
-                "--workers", workers)
+        r = cli(site, "prepare", "in", "e.arrow", "--out", f"s{workers}", "--transform",
+                "fmt:chat", "--workers", workers)
         assert r.returncode == 0, r.stderr
-        assert "dropped_by_transform 12" in r.stderr, r.stderr
-    assert texts_of(site / "s1") == expected(rows) + ["plain: a whole text file"]
+        assert "dropped_by_transform 16" in r.stderr, r.stderr
+    assert texts_of(site / "s1") == (expected(rows[70:]) + expected(rows[:60]) +  # path order
+                                     ["plain: a whole text file"] + expected(rows[60:70]))
     assert store_bytes(site / "s1") == store_bytes(site / "s2")
     m = json.loads((site / "s1" / "manifest.json").read_text())
-    assert m["skipped"]["by_reason"] == {"dropped_by_transform": 12}
+    assert m["skipped"]["by_reason"] == {"dropped_by_transform": 16}
     assert m["settings"]["transform"].startswith("fmt:chat (source xxh3 ")
-    assert m["skipped"]["examples"][0] == {"path": "in/a.jsonl", "where": "line 4",
-                                           "reason": "dropped_by_transform",
-                                           "detail": "fmt:chat returned None"}
+    assert [(e["path"], e["where"]) for e in m["skipped"]["examples"][:3]] == [
+        ("e.arrow", "row 4 (record batch 1)"), ("e.arrow", "row 9 (record batch 2)"),
+        ("in/a.jsonl", "line 4")]
+    assert m["skipped"]["examples"][0]["detail"] == "fmt:chat returned None"
     plain = cli(site, "prepare", "in/a.jsonl", "--out", "plain", "--text-key", "q")
     assert plain.returncode == 0 and "transform" not in json.loads(
         (site / "plain" / "manifest.json").read_text())["settings"]
