@@ -72,7 +72,9 @@ def load_transform(spec: str) -> Transform:
         obj = importlib.import_module(module)
     except ImportError as e:
         raise ConfigError(f"transform {spec}: cannot import module {module!r} ({e}); put its "
-                          "folder on PYTHONPATH, or run from the folder that holds it") from None
+                          "folder on PYTHONPATH, or run from the folder that holds it (on a "
+                          "running Ray cluster: make it importable on every node, e.g. with "
+                          "runtime_env py_modules)") from None
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
