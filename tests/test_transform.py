@@ -295,6 +295,9 @@ def test_a_split_is_refused_over_a_plain_store_and_when_the_val_side_is_empty(si
     assert r.returncode == 2 and "no document of the 20 falls on the val side" in r.stderr
     r = cli(site, "prepare", "x.jsonl", "--out", "bad", "--val-fraction", 1)
     assert r.returncode == 2 and "val_fraction must be a number between 0 and 1" in r.stderr
+    assert cli(site, "prepare", "x.jsonl", "--out", "sp", "--val-fraction", 0.5).returncode == 0
+    r = cli(site, "prepare", "x.jsonl", "--out", "sp")
+    assert r.returncode == 2 and "sp: holds the train/ and val/ stores of a split" in r.stderr
 
 
 def test_keep_side_partitions_texts_and_keeps_skips_in_place():

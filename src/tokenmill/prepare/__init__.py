@@ -15,8 +15,8 @@ from typing import Any, Callable, Sequence
 
 from tokenmill.errors import ConfigError
 from tokenmill.prepare.pool import UnitPool, ordered_results
-from tokenmill.prepare.split import (SIDES, check_fraction, check_split_out, split_line,
-                                     split_of, split_paths)
+from tokenmill.prepare.split import (SIDES, check_fraction, check_plain_out, check_split_out,
+                                     split_line, split_of, split_paths)
 from tokenmill.prepare.run import (Progress, Run, file_sizes, prepare_local, report, run_local,
                                    start_run, summary_line, unit_weights)
 from tokenmill.prepare.tokenize import (DEFAULT_SHARD_TOKENS, PrepareConfig, UnitResult,
@@ -63,6 +63,7 @@ def prepare(inputs: str | Sequence[str], *, out: str | os.PathLike, tokenizer: s
                             storage_options=storage_options, engine=engine,
                             ray_address=ray_address, **options)
     if val_fraction is None:
+        check_plain_out(out)
         return one(out=out)
     if "holdout" in options:
         raise ConfigError("pass val_fraction= or holdout=, not both")

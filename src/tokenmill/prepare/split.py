@@ -125,6 +125,16 @@ def check_split_out(out: str | os.PathLike) -> None:
                           "another --out, or delete this one")
 
 
+def check_plain_out(out: str | os.PathLike) -> None:
+    """Refuse to write a plain store into a local folder that holds a split's two stores."""
+    out = os.fspath(out)
+    if not is_url(out) and any(os.path.exists(os.path.join(p, "manifest.json")) or
+                               os.path.exists(os.path.join(p, ".progress"))
+                               for p in split_paths(out).values()):
+        raise ConfigError(f"{out}: holds the train/ and val/ stores of a split; pass the same "
+                          "--val-fraction to finish or reuse it, or choose another --out")
+
+
 def split_of(manifest: dict) -> dict | None:
     """A store's side of a split, from its manifest: {"side", "fraction", "held_out"} (documents
     on the other side), or None for a store that is not one side of a split."""

@@ -4,6 +4,11 @@
     res = tokenize_unit(sources.Unit("a.jsonl", 0, -1), config)   # UnitResult
     res.lengths.sum() == len(res.tokens)
 
+Per document, in this order: the transform (``prepare.transform``; records in, text or None
+out), the holdout filter (``prepare.split``: one side of a split), then encoding. Both drops
+become Skips at their place (``dropped_by_transform``, ``held_out``), so they are counted once
+across a resume.
+
 ``tokenize_unit`` runs in prepare's and streaming's worker processes and inline (one worker);
 a unit's bytes are read by the worker itself, or arrive as ``payload`` (a compressed input read
 as a stream by the parent).
