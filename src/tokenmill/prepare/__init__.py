@@ -91,7 +91,8 @@ def prepare_split(one: Callable[..., dict], out, fraction: float,
     check_split_out(out)
     paths, done = split_paths(out), {}
     for side in SIDES:
-        report(f"split: {side} side (val fraction {fraction:g}) → {paths[side]}", progress)
+        report(f"split: writing the {side} side (val fraction {fraction:g}) to {paths[side]}",
+               progress)
         done[side] = one(out=paths[side], holdout=(side, fraction))
         split = split_of(done[side])
         if side == "train" and split["held_out"] == 0:
