@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tokenmill.store.writer", "tokenmill.store.reader"),
     ("tokenmill.store.verify",),
     ("tokenmill.store",),
+    ("tokenmill.prepare.split", "tokenmill.prepare.transform"),
     ("tokenmill.prepare.tokenize",),
     ("tokenmill.prepare.pool",),
     ("tokenmill.prepare.run",),

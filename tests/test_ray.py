@@ -200,3 +200,15 @@ def test_nothing_left_in_home_or_tmp(ray_cluster):
     # Ray's defaults (~/.ray/auth_token, /tmp/ray/session_*) stay untouched while it runs;
     # the fixture checks again after shutdown
     assert {p: p.exists() for p in LEFTOVERS} == LEFTOVERS_BEFORE
+
+
+def test_a_transform_and_a_split_give_the_local_engines_stores(ray_cluster, tmp_path, corpus):
+    # json:dumps (the whole record as text): importable on this running cluster's workers, which
+    # were started before any test module existed; a user's module must be importable there too
+    args = dict(transform="json:dumps", val_fraction=0.2, on_error="skip", progress=False,
+                **SMALL)
+    want = prepare([str(corpus)], out=tmp_path / "local", workers=2, **args)
+    got = prepare([str(corpus)], out=tmp_path / "ray", engine="ray", **args)
+    assert got == want and want["val"]["num_documents"] > 0
+    for side in ("train", "val"):
+        assert store_bytes(tmp_path / "ray" / side) == store_bytes(tmp_path / "local" / side)

@@ -636,7 +636,8 @@ def assert_raised_then_skipped(p, where, reason, detail, rows):
 def test_reasons_are_the_contract():
     """prepare, the CLI and the manifest count skips by these names: only add, never rename."""
     assert REASONS == ("malformed_json", "missing_field", "non_string_field", "invalid_utf8", "empty_document",
-                       "empty_file", "no_match", "unreadable", "binary_file")
+                       "empty_file", "no_match", "unreadable", "binary_file", "transform_error",
+                       "dropped_by_transform", "held_out")
 
 
 def test_paragraph_after_a_bom_only_first_line_is_kept_by_every_split(tmp_path):

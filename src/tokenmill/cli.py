@@ -165,6 +165,12 @@ def add_prepare(sub) -> None:
     pp.add_argument("--tokenizer-engine", choices=["auto", "fastokens", "tiktoken", "hf"],
                     default="auto", help="what runs a tokenizer.json: the fastest engine proven "
                     "to give tokenizers' ids (auto, default) or that one; the same store")
+    pp.add_argument("--transform", default=None, metavar="MODULE:FUNCTION",
+                    help="fn(record: dict) -> str | None makes each record's text (None drops it); "
+                    "MODULE is imported from the current folder or PYTHONPATH")
+    pp.add_argument("--val-fraction", type=float, default=None, metavar="F",
+                    help="write OUT/train and OUT/val, holding out F of the documents (by a hash "
+                    "of their text: the same split for any workers, resume or grown corpus)")
     pp.add_argument("--overwrite", action="store_true", help="replace a different store at --out")
     pp.add_argument("--engine", choices=["local", "ray"], default="local",
                     help="local processes (default) or Ray tasks (pip install 'tokenmill[ray]'); "
@@ -289,9 +295,13 @@ def run_prepare(args) -> int:
                    tokenizer_engine="hf" if args.no_fast_tokenizer else args.tokenizer_engine)
     if args.shard_tokens is not None:
         options["shard_tokens"] = args.shard_tokens
+    if args.transform is not None:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does; workers get this path too
+        options["transform"] = args.transform
     prepare(args.inputs, out=args.out, tokenizer=args.tokenizer, workers=args.workers,
             progress=False if args.quiet else None, overwrite=args.overwrite,
-            engine=args.engine, ray_address=args.ray_address, **options)
+            engine=args.engine, ray_address=args.ray_address, val_fraction=args.val_fraction,
+            **options)
     return 0
 
 

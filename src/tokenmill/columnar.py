@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from functools import partial
 
 from tokenmill.io import is_url, open_binary
-from tokenmill.records import Doc, Report, Skip, SourceConfig
+from tokenmill.records import Doc, Record, Report, Skip, SourceConfig
 
 
 def plan_parquet(path: str, config: SourceConfig) -> list[tuple[int, int]]:
@@ -85,7 +86,8 @@ def read_parquet(path: str, start: int, stop: int, config: SourceConfig,
     key = config.text_key
     with _parquet(path, config.storage_options) as pf:
         md = pf.metadata
-        problem = _column_problem(pf.schema_arrow, key) if md.num_rows else ("empty_file", "0 rows")
+        problem = (None if config.records else _column_problem(pf.schema_arrow, key)) \
+            if md.num_rows else ("empty_file", "0 rows")
         if problem:
             if start == 0:
                 yield report("file", *problem)
@@ -97,11 +99,14 @@ def read_parquet(path: str, start: int, stop: int, config: SourceConfig,
                              f"{min(counts)} rows")
         row = sum(counts[:start])
         for g in range(start, stop):
-            texts = pf.read_row_group(g, columns=[key]).column(0).to_pylist()
+            if config.records:  # whole rows, for a transform
+                texts = pf.read_row_group(g).to_pylist()
+            else:
+                texts = pf.read_row_group(g, columns=[key]).column(0).to_pylist()
             if len(texts) != counts[g]:
                 raise ValueError(f"damaged file: row group {g} holds {len(texts)} rows, its "
                                  f"footer says {counts[g]}")
-            yield from _column_docs(texts, row, f"row group {g}", key, report)
+            yield from _rows(texts, row, f"row group {g}", key, report, config.records)
             row += len(texts)
 
 
@@ -110,7 +115,7 @@ def read_arrow(path: str, start: int, stop: int, config: SourceConfig,
     """The documents of record batches [start, stop) of an Arrow IPC stream (stop -1: to the end)."""
     key = config.text_key
     with _arrow_stream(path, config.storage_options) as reader:
-        if problem := _column_problem(reader.schema, key):
+        if not config.records and (problem := _column_problem(reader.schema, key)):
             if start == 0:
                 yield report("file", *problem)
             return
@@ -121,14 +126,27 @@ def read_arrow(path: str, start: int, stop: int, config: SourceConfig,
                     return
                 continue
             if b >= start:
-                column = batch.column(key)
+                column = batch if config.records else batch.column(key)
                 # an IPC stream has no checksum: damaged offsets would read out of bounds
                 column.validate(full=True)  # (a SystemError, or worse); now an ArrowInvalid
                 texts = column.to_pylist()
-                yield from _column_docs(texts, row, f"record batch {b}", key, report)
+                yield from _rows(texts, row, f"record batch {b}", key, report, config.records)
             row += batch.num_rows
         if start == 0 and not row:  # reached the end: the whole file holds no row
             yield report("file", "empty_file", "0 rows")
+
+
+def _rows(values: list, row: int, part: str, key: str, report: Report,
+          records: bool) -> Iterator[Doc | Record | Skip]:
+    """The texts of one row group or batch, or (``records``) its rows as dicts."""
+    if not records:
+        return _column_docs(values, row, part, key, report)
+    return (Record(r, row + i + 1, partial(_row_place, row + i + 1, part))
+            for i, r in enumerate(values))
+
+
+def _row_place(n: int, part: str) -> str:
+    return f"row {n} ({part})"
 
 
 def _column_docs(texts: list, row: int, part: str, key: str, report: Report) -> Iterator[Doc | Skip]:

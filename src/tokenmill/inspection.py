@@ -11,6 +11,7 @@ import numpy as np
 from tokenmill import pack
 from tokenmill.errors import TokenmillError
 from tokenmill.io import atomic_write_bytes, is_url, redact
+from tokenmill.prepare.split import split_line, split_of, split_paths
 from tokenmill.store import TokenStore
 
 PERCENTILES = (0, 10, 50, 90, 99, 100)
@@ -52,7 +53,12 @@ def display_path(path: str | os.PathLike) -> str:
 
 
 def describe(path: str | os.PathLike) -> dict:
-    """A JSON-able description of the store at ``path``."""
+    """A JSON-able description of the store at ``path``; of a split's folder (``--val-fraction``:
+    ``path/train`` and ``path/val``), ``{"path", "sides": {"train": …, "val": …}}``."""
+    paths = split_paths(path)
+    if not is_url(path) and not os.path.exists(os.path.join(path, "manifest.json")) and all(
+            os.path.exists(os.path.join(p, "manifest.json")) for p in paths.values()):
+        return {"path": display_path(path), "sides": {k: describe(p) for k, p in paths.items()}}
     with TokenStore(path) as store:
         m = store.manifest
         disk = sum(s["bin_bytes"] + s["idx_bytes"] for s in m["shards"])
@@ -67,6 +73,7 @@ def describe(path: str | os.PathLike) -> dict:
             "shards": len(m["shards"]),
             "disk_bytes": disk,
             "skipped": m.get("skipped", {}),
+            "split": split_of(m),
             "fingerprint": m["fingerprint"],
             "sample": decoded_sample(store),
         }
@@ -93,6 +100,8 @@ def format_packing(q: dict) -> str:
 
 def format_description(info: dict) -> str:
     """Human-readable lines for ``describe``'s dict."""
+    if "sides" in info:
+        return "\n\n".join(format_description(side) for side in info["sides"].values())
     tok = info["tokenizer"]
     pct = "  ".join(f"{k} {v:,}" for k, v in info["tokens_per_document"].items())
     skipped = info["skipped"] or {}
@@ -109,6 +118,8 @@ def format_description(info: dict) -> str:
         f"skipped      {skipped.get('total', 0):,}" + (f"  ({reasons})" if reasons else ""),
         f"fingerprint  {info['fingerprint']}",
     ]
+    if info.get("split"):
+        lines.insert(-1, f"split        {split_line(info['split'], info['documents'])}")
     if info["sample"] is not None:
         lines.append(f"sample       {info['sample'][:200]!r}")
     return "\n".join(lines)

@@ -41,14 +41,15 @@ import io
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
 
 from tokenmill.decompress import open_stream, skip_bytes
 from tokenmill.errors import InputError
 from tokenmill.io import file_size, open_binary
-import numpy as np
-
-from tokenmill.records import (COMPRESSED, Doc, LineCount, Report, Skip, SourceConfig, Unit,
-                               format_of, io_errors, unit_lines_relative)
+from tokenmill.records import (COMPRESSED, Doc, LineCount, Record, Report, Skip, SourceConfig,
+                               Unit, format_of, io_errors, unit_lines_relative)
 
 _CHUNK = 1 << 20  # read 1 MiB blocks of whole lines: memory stays bounded whatever unit_bytes is
 _SNIFF = 8192  # a NUL byte in the first 8 KiB of content marks a binary file
@@ -199,7 +200,7 @@ def _plain_docs(unit: Unit, fmt: str, config: SourceConfig, report: Report, payl
         track.base = base = _line_base(unit.path, fmt, pos, config.storage_options)
         blocks = _blocks(f, stop - pos if stop >= 0 else -1, track, bom=pos == 0)
         if fmt != "txt":
-            yield from _jsonl_docs(blocks, config.text_key, report, base, 0)
+            yield from _json_reader(config)(blocks, config.text_key, report, base, 0)
         elif mode == "lines":
             yield from _line_docs(blocks, report, base)
         else:
@@ -226,7 +227,7 @@ def _stream_docs(unit: Unit, fmt: str, config: SourceConfig, report: Report, pay
             unit.path, fmt, unit.start, config.storage_options)
         track.base = base
         blocks = _blocks(f, limit, track, carry=head, bom=unit.start == 0)
-        yield from _jsonl_docs(blocks, config.text_key, report, base, line or 0)
+        yield from _json_reader(config)(blocks, config.text_key, report, base, line or 0)
 
 
 def _sniff(head: bytes) -> tuple[str, str] | None:
@@ -357,6 +358,33 @@ def _jsonl_docs(blocks, key: str, report, base, first: int) -> Iterator[Doc | Sk
                     ("empty_document", f"{key!r} is empty") if text == "" else
                     ("non_string_field", f"{key!r} is {_kind(text)}")))
         done += len(lines)
+
+
+def _json_reader(config: SourceConfig):
+    """What reads a JSONL unit's lines: their text_key (the fast path), or whole records."""
+    return _jsonl_records if config.records else _jsonl_docs
+
+
+def _jsonl_records(blocks, key: str, report, base, first: int) -> Iterator[Record | Skip]:
+    """Each line's whole JSON object (for a transform), numbered as _jsonl_docs numbers its
+    documents; what is not an object is reported."""
+    loads, done = json.loads, first
+    for data in blocks:
+        lines, bad = _lines(data)
+        for n, line in enumerate(lines, done + 1):
+            try:
+                obj = loads(line)
+            except (ValueError, TypeError, RecursionError):
+                obj = None
+            if type(obj) is dict:
+                yield Record(obj, n, partial(_line_place, base, n - first))
+            elif problem := _json_problem(line, bad.get(n - done - 1), key):
+                yield report(f"line {base() + n - first}", *problem)
+        done += len(lines)
+
+
+def _line_place(base, n: int) -> str:
+    return f"line {base() + n}"
 
 
 def _json_problem(line: str | None, utf8_error: str | None, key: str) -> tuple[str, str] | None:

@@ -37,7 +37,9 @@ from typing import Any, NamedTuple
 from tokenmill.errors import ConfigError, InputError
 
 REASONS = ("malformed_json", "missing_field", "non_string_field", "invalid_utf8", "empty_document",
-           "empty_file", "no_match", "unreadable", "binary_file")
+           "empty_file", "no_match", "unreadable", "binary_file", "transform_error",
+           "dropped_by_transform", "held_out")
+COUNTED_ONLY = ("held_out",)  # reasons counted without examples: not a problem with the input
 FORMATS = ("txt", "jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow")
 EXTENSIONS = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".txt", ".parquet", ".arrow")  # longest first
 COMPRESSED = ("jsonl.gz", "jsonl.zst")  # streams: no seeking, so the parent reads their units
@@ -48,7 +50,9 @@ _WHAT = {"malformed_json": "malformed JSON", "missing_field": "missing field",
          "non_string_field": "text is not a string", "invalid_utf8": "invalid UTF-8",
          "empty_document": "empty document", "empty_file": "empty file",
          "no_match": "no file matched", "unreadable": "cannot read file",
-         "binary_file": "binary file, not text"}
+         "binary_file": "binary file, not text", "transform_error": "the transform failed",
+         "dropped_by_transform": "dropped by the transform",
+         "held_out": "held out for the other side of the split"}
 _FILE_HINT = {"no_match": "check the path or pattern", "unreadable": "check that it exists and is readable",
               "missing_field": "choose the column with --text-key"}
 
@@ -62,6 +66,7 @@ class SourceConfig:
     on_error: str = "raise"
     unit_bytes: int = 16 << 20
     storage_options: Mapping[str, Any] | None = None
+    records: bool = False  # yield whole records (``Record``), not text_key: for a transform
 
     def __post_init__(self):
         if not isinstance(self.text_key, str) or not self.text_key:
@@ -124,6 +129,17 @@ class Skip:
     where: str
     reason: str
     detail: str
+
+
+class Record(NamedTuple):
+    """A whole input record (``SourceConfig.records``): a JSONL object or a row as a dict, its
+    line or row as ``Doc.line`` counts it, and where it is for a message ("line 12", "row 5 (row
+    group 0)"), computed only when asked (a line number may cost a count of the lines before
+    the unit)."""
+
+    fields: dict
+    line: int
+    place: Callable[[], str]
 
 
 Report = Callable[[str, str, str], Skip]  # report(where, reason, detail): a Skip, or it raises

@@ -4,6 +4,11 @@
     res = tokenize_unit(sources.Unit("a.jsonl", 0, -1), config)   # UnitResult
     res.lengths.sum() == len(res.tokens)
 
+Per document, in this order: the transform (``prepare.transform``; records in, text or None
+out), the holdout filter (``prepare.split``: one side of a split), then encoding. Both drops
+become Skips at their place (``dropped_by_transform``, ``held_out``), so they are counted once
+across a resume.
+
 ``tokenize_unit`` runs in prepare's and streaming's worker processes and inline (one worker);
 a unit's bytes are read by the worker itself, or arrive as ``payload`` (a compressed input read
 as a stream by the parent).
@@ -22,6 +27,8 @@ import xxhash
 from tokenmill import sources
 from tokenmill.errors import ConfigError
 from tokenmill.io import CHUNK, filesystem, is_url, redact
+from tokenmill.prepare.split import check_holdout, keep_side
+from tokenmill.prepare.transform import transform_identity, transform_spec, transformed
 from tokenmill.records import Doc, LineCount
 from tokenmill.tokenizer import Tokenizer, encode_documents, load_tokenizer, token_dtype
 
@@ -30,7 +37,10 @@ DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB uint16 shards
 
 @dataclass(frozen=True)
 class PrepareConfig:
-    """Everything that decides a store's bytes (worker count and progress display do not)."""
+    """Everything that decides a store's bytes (worker count and progress display do not).
+
+    ``transform`` may be given as a function: it is stored as its "module:qualname" spec.
+    """
 
     tokenizer: str = "bytes"
     shard_tokens: int = DEFAULT_SHARD_TOKENS
@@ -43,18 +53,24 @@ class PrepareConfig:
     bos: str | None = None
     tokenizer_engine: str = "auto"  # what runs a tokenizer.json; never changes the ids
     unit_bytes: int = 4 << 20  # 4 MiB units: small enough that 2 workers end together
+    transform: str | None = None  # "module:qualname" of fn(record) -> str | None
+    holdout: tuple[str, float] | None = None  # ("val", 0.01): keep that side of a split
 
     def __post_init__(self):
         for name in ("shard_tokens", "unit_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1 (got {name}={value!r})")
+        if self.transform is not None:  # frozen: normalised once, here
+            object.__setattr__(self, "transform", transform_spec(self.transform))
+        object.__setattr__(self, "holdout", check_holdout(self.holdout))
 
     def source_config(self, storage_options: Mapping | None = None) -> sources.SourceConfig:
         """The part of the config the readers need."""
         return sources.SourceConfig(text_key=self.text_key, txt_mode=self.txt_mode,
                                     on_error=self.on_error, unit_bytes=self.unit_bytes,
-                                    storage_options=storage_options)
+                                    storage_options=storage_options,
+                                    records=self.transform is not None)
 
     def settings(self, inputs: Sequence[str], files: Sequence[str], sizes: dict[str, int]) -> dict:
         """What the manifest records: the config minus display-only fields, plus the inputs
@@ -62,6 +78,13 @@ class PrepareConfig:
         s = asdict(self)
         s.pop("tokenizer_engine")  # every engine gives identical ids (proven at load time)
         s.pop("unit_bytes")  # how work is split never changes the bytes (the resume key has it)
+        for name in ("transform", "holdout"):  # absent when unset: older stores stay the same
+            if s[name] is None:
+                s.pop(name)
+        if self.transform is not None:
+            s["transform"] = transform_identity(self.transform)
+        if self.holdout is not None:
+            s["holdout"] = list(self.holdout)  # as JSON reads it back: the resume key compares
         s["inputs"] = [input_name(i) for i in inputs]
         s["num_files"] = len(files)
         s["files_xxh3"] = xxhash.xxh3_64_hexdigest(
@@ -139,17 +162,30 @@ def tokenize_unit(unit: sources.Unit, config: PrepareConfig, storage_options: Ma
     lines: list[int] = []  # a document kept is appended to both, in lockstep
     skips: list[tuple[int, sources.Skip]] = []
     count = LineCount()
-    for item in sources.read_unit(unit, source_config, payload, count):
+    items = sources.read_unit(unit, source_config, payload, count)
+    if config.transform is not None:  # per document: transform → holdout → encode (C2)
+        items = transformed(items, config.transform, unit.path, config.on_error,
+                            functools.partial(txt_place, unit))
+    for item in items:
         if type(item) is Doc:
             text, line = item
             texts.append(text)
             lines.append(line)
         else:
             skips.append((len(texts), item))
+    if config.holdout is not None:
+        kept, skips = keep_side(texts, skips, config.holdout, unit.path)
+        texts, lines = [texts[i] for i in kept], [lines[i] for i in kept]
     tokens, lengths = encode_documents(tok, texts, add_eos=config.add_eos,
                                        add_bos=config.add_bos, dtype=token_dtype(tok.vocab_size))
     return UnitResult(tokens, lengths, skips, sum(map(len, texts)), digest,
                       np.array(lines, dtype=np.int64), count.newlines)
+
+
+def txt_place(unit: sources.Unit, k: int) -> str:
+    """Where the k-th document of a .txt unit is, for a transform's message (no line at hand)."""
+    return "file" if unit.stop == -1 and unit.start == 0 and k == 0 else \
+        f"document {k + 1} of bytes {unit.start}…{unit.stop}"
 
 
 def unit_digest(unit: sources.Unit, storage_options: Mapping | None = None) -> str | None:

@@ -27,6 +27,7 @@ import xxhash
 
 from tokenmill import sources
 from tokenmill.io import no_space_is_a_store_error, redact
+from tokenmill.records import COUNTED_ONLY
 from tokenmill.store.format import CODE_OF_DTYPE, Origins, idx_bytes, shard_name, src_bytes
 
 MAX_EXAMPLES = 20
@@ -73,7 +74,7 @@ class SkipLog:
     def add(self, skip: sources.Skip) -> None:
         """Count one skip; keep it as an example if there are fewer than MAX_EXAMPLES."""
         self.by_reason[skip.reason] += 1
-        if len(self.examples) < MAX_EXAMPLES:
+        if len(self.examples) < MAX_EXAMPLES and skip.reason not in COUNTED_ONLY:
             self.examples.append({"path": redact(skip.path), "where": skip.where,
                                   "reason": skip.reason, "detail": redact(skip.detail)})
 

@@ -1,0 +1,158 @@
+"""A validation split by content: which documents a side keeps, and where the two stores go.
+
+A document is on the val side when the xxh3-64 of its text (UTF-8; after the transform) is below
+``fraction · 2^64``, else on the train side. It depends on nothing but the text, so the split is
+the same for any worker count, engine, unit size and resume, a document keeps its side when the
+corpus grows, and no document is on both sides (identical documents are on the same one).
+
+    kept_indices(["a", "b", "c", "d"], ("val", 0.5)) == [1, 3]   # "b", "d" are on the val side
+    split_paths("out") == {"train": "out/train", "val": "out/val"}
+
+``prepare(..., val_fraction=F)`` runs prepare twice on the same inputs, ``holdout=("train", F)``
+into ``<out>/train`` and ``holdout=("val", F)`` into ``<out>/val``: each pass is an ordinary,
+resumable, lockable prepare (either engine), and each store's manifest records its side, the
+fraction (``settings.holdout``) and how many documents went to the other side: they count as
+``held_out`` skips (no examples kept), so the count survives a resume; ``split_of`` reads them.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Sequence
+
+import xxhash
+
+from tokenmill.errors import ConfigError
+from tokenmill.io import is_url
+from tokenmill.records import Skip
+
+SIDES = ("train", "val")
+HELD_OUT = "held_out"
+
+
+def check_holdout(holdout) -> tuple[str, float] | None:
+    """``holdout`` as a (side, fraction) tuple, checked; None stays None.
+
+    check_holdout(["val", 0.01]) == ("val", 0.01)
+    """
+    if holdout is None:
+        return None
+    try:
+        side, fraction = holdout
+    except (TypeError, ValueError):
+        raise ConfigError(f"holdout must be (side, fraction), e.g. ('val', 0.01) "
+                          f"(got holdout={holdout!r})") from None
+    if side not in SIDES:
+        raise ConfigError(f"holdout side must be 'train' or 'val' (got {side!r})")
+    check_fraction(fraction)
+    return side, float(fraction)
+
+
+def check_fraction(fraction) -> float:
+    """``fraction`` if it is a number strictly between 0 and 1, else a ConfigError."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or \
+            not 0 < fraction < 1:
+        raise ConfigError(f"val_fraction must be a number between 0 and 1, exclusive (got "
+                          f"{fraction!r}); e.g. --val-fraction 0.005 holds out 0.5% of documents")
+    return float(fraction)
+
+
+def is_val(text: str, fraction: float) -> bool:
+    """Whether ``text`` is on the val side of a split holding out ``fraction`` of documents.
+
+    is_val("a", 0.5) is False and is_val("b", 0.5) is True
+    """
+    return kept_indices([text], ("val", fraction)) == [0]
+
+
+def kept_indices(texts: Sequence[str], holdout: tuple[str, float]) -> list[int]:
+    """Indices of the texts on ``holdout``'s side, in order (the two sides partition them).
+
+    kept_indices(["a", "b", "c", "d"], ("val", 0.5)) == [1, 3]
+    """
+    side, fraction = holdout
+    below, want_val = int(fraction * 2.0 ** 64), side == "val"
+    hash64 = xxhash.xxh3_64_intdigest
+    # "surrogatepass": a lone surrogate decoded from JSON ("\ud800") must not raise here
+    return [i for i, t in enumerate(texts)
+            if (hash64(t.encode("utf-8", "surrogatepass")) < below) == want_val]
+
+
+def keep_side(texts: list[str], skips: list[tuple[int, Skip]], holdout: tuple[str, float],
+              path: str) -> tuple[list[int], list[tuple[int, Skip]]]:
+    """The indices of a unit's texts on ``holdout``'s side, and its skips (ordinals into texts)
+    with the other side's texts taken out: each becomes a ``held_out`` Skip, and every ordinal
+    counts kept texts only (apply the indices to the texts and their origins in lockstep)."""
+    kept = kept_indices(texts, holdout)
+    if len(kept) == len(texts):
+        return kept, skips
+    other = "val" if holdout[0] == "train" else "train"
+    new_skips: list[tuple[int, Skip]] = []
+    s, k = 0, 0  # next old skip, kept texts so far
+    keep = set(kept)
+    for i in range(len(texts) + 1):
+        while s < len(skips) and skips[s][0] <= i:
+            new_skips.append((k, skips[s][1]))
+            s += 1
+        if i < len(texts):
+            if i in keep:
+                k += 1
+            else:
+                new_skips.append((k, Skip(path, "document", HELD_OUT, f"on the {other} side")))
+    return kept, new_skips
+
+
+def split_paths(out: str | os.PathLike) -> dict[str, str]:
+    """Where the two stores of a split go: ``<out>/train`` and ``<out>/val``."""
+    out = os.fspath(out)
+    join = posixpath.join if is_url(out) else os.path.join
+    return {side: join(out, side) for side in SIDES}
+
+
+def check_split_out(out: str | os.PathLike) -> None:
+    """Refuse an ``out`` that already holds a plain store (or a plain prepare's progress)."""
+    out = os.fspath(out)
+    if is_url(out):
+        from tokenmill.io import read_bytes
+        plain = read_bytes(posixpath.join(out, "manifest.json")) is not None
+    else:
+        plain = any(os.path.exists(os.path.join(out, name)) for name in
+                    ("manifest.json", ".progress"))
+    if plain:
+        raise ConfigError(f"{out}: holds a store (or an unfinished prepare) made without "
+                          "--val-fraction; a split writes two stores, "
+                          f"{split_paths(out)['train']} and {split_paths(out)['val']}: choose "
+                          "another --out, or delete this one")
+
+
+def check_plain_out(out: str | os.PathLike) -> None:
+    """Refuse to write a plain store into a local folder that holds a split's two stores."""
+    out = os.fspath(out)
+    if not is_url(out) and any(os.path.exists(os.path.join(p, "manifest.json")) or
+                               os.path.exists(os.path.join(p, ".progress"))
+                               for p in split_paths(out).values()):
+        raise ConfigError(f"{out}: holds the train/ and val/ stores of a split; pass the same "
+                          "--val-fraction to finish or reuse it, or choose another --out")
+
+
+def split_of(manifest: dict) -> dict | None:
+    """A store's side of a split, from its manifest: {"side", "fraction", "held_out"} (documents
+    on the other side), or None for a store that is not one side of a split."""
+    holdout = manifest.get("settings", {}).get("holdout")
+    if not holdout:
+        return None
+    held = manifest.get("skipped", {}).get("by_reason", {}).get(HELD_OUT, 0)
+    return {"side": holdout[0], "fraction": holdout[1], "held_out": held}
+
+
+def split_line(split: dict, documents: int) -> str:
+    """One line on a store's side of a split.
+
+    split_line({"side": "val", "fraction": 0.01, "held_out": 990}, 10) ==
+    "val side (fraction 0.01): 10 of 1,000 documents (990 on the train side)"
+    """
+    other = "train" if split["side"] == "val" else "val"
+    total = documents + split["held_out"]
+    return (f"{split['side']} side (fraction {split['fraction']:.4g}): {documents:,} of "
+            f"{total:,} documents ({split['held_out']:,} on the {other} side)")

@@ -1,0 +1,319 @@
+"""prepare's transform (record → text) and validation split, end to end through the real CLI.
+
+Every store here uses the byte tokenizer, so a document decodes back to its exact text.
+"""
+
+import gzip
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import docs_of, store_bytes, write_jsonl
+from tokenmill.errors import ConfigError
+from tokenmill.prepare import prepare
+from tokenmill.prepare.split import keep_side, kept_indices
+from tokenmill.records import Skip
+
+TOKENMILL = Path(sys.executable).with_name("tokenmill")  # the venv's console script
+EOS = 256
+
+TRANSFORMS = '''
+import os
+import time
+
+
+def chat(record):
+    """A chat template; records flagged "drop" are dropped."""
+    if os.environ.get("SLOW_TRANSFORM"):
+        time.sleep(0.002)
+    if record.get("drop"):
+        return None
+    if "q" not in record:
+        return "plain: " + record["text"]
+    return "<user> " + record["q"] + " <bot> " + record["a"]
+
+
+def boom(record):
+    if record["q"].endswith("7"):
+        raise KeyError("no such field")
+    return record["q"]
+'''
+
+
+def texts_of(store) -> list[str]:
+    """The documents of a byte-tokenizer store, decoded (EOS dropped)."""
+    return [bytes(d[:-1]).decode() for d in docs_of(store)]
+
+
+def digests(store) -> set[str]:
+    """A hash of every document of a store."""
+    return {hashlib.sha256(bytes(d[:-1])).hexdigest() for d in docs_of(store)}
+
+
+def records(n: int, start: int = 0) -> list[dict]:
+    """n distinct chat records; every 5th is flagged drop."""
+    return [{"q": f"question {i}", "a": f"answer {i} " * (i % 4 + 1), "drop": i % 5 == 3}
+            for i in range(start, start + n)]
+
+
+def write_records(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def expected(rows: list[dict]) -> list[str]:
+    """What the chat transform makes of rows (None dropped)."""
+    return ["<user> " + r["q"] + " <bot> " + r["a"] for r in rows if not r["drop"]]
+
+
+@pytest.fixture
+def site(tmp_path):
+    """A working folder with a transform module in mods/, on PYTHONPATH for the CLI."""
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "fmt.py").write_text(TRANSFORMS)
+    return tmp_path
+
+
+def cli(site: Path, *args, env=None, wait=True):
+    """The real `tokenmill` command in ``site``, its transform module on PYTHONPATH."""
+    path = os.pathsep.join([str(site / "mods"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path, **(env or {})}
+    argv = [str(TOKENMILL), *map(str, args)]
+    if not wait:
+        return subprocess.Popen(argv, cwd=site, env=env, stderr=subprocess.DEVNULL)
+    return subprocess.run(argv, cwd=site, capture_output=True, text=True, env=env, timeout=120)
+
+
+RUN_PREPARE = """
+import json, sys
+from tokenmill import prepare
+prepare(*json.loads(sys.argv[1]), progress=False, **json.loads(sys.argv[2]))
+"""
+
+
+def script(site: Path, out: str, wait=True, env=None, **options):
+    """prepare("x.jsonl", out=out, **options) run by a script file in ``site`` (small units: an
+    interrupted run leaves some committed, some not)."""
+    (site / "run_prepare.py").write_text(RUN_PREPARE)
+    options = {"workers": 2, "unit_bytes": 2000, "shard_tokens": 2000, **options}
+    path = os.pathsep.join([str(site / "mods"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+    argv = [sys.executable, "run_prepare.py", json.dumps(["x.jsonl"]),
+            json.dumps({"out": out, **options})]
+    if not wait:
+        return subprocess.Popen(argv, cwd=site, env=env, stderr=subprocess.DEVNULL)
+    return subprocess.run(argv, cwd=site, capture_output=True, text=True, env=env, timeout=120)
+
+
+def kill_after_first_commit(proc: subprocess.Popen, out: Path) -> None:
+    deadline = time.monotonic() + 60
+    while not list((out / ".progress").glob("shard-*.json")) and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    proc.kill()
+    proc.wait()
+    assert not (out / "manifest.json").exists(), "finished before the kill: grow the corpus"
+
+
+# ---- transform -------------------------------------------------------------------------------
+
+def test_the_stores_documents_are_the_transforms_output_and_drops_are_counted(site):
+    rows = records(80)
+    (site / "in").mkdir()
+    write_records(site / "in" / "a.jsonl", rows[:40])
+    pq.write_table(pa.Table.from_pylist(rows[40:60]), site / "in" / "b.parquet", row_group_size=7)
+    (site / "in" / "c.txt").write_text("a whole text file")
+    with gzip.open(site / "in" / "d.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows[60:70]))
+    table = pa.Table.from_pylist(rows[70:])
+    with pa.ipc.new_stream(site / "e.arrow", table.schema) as w:  # a file named: always read
+        w.write_table(table, max_chunksize=3)
+    for workers in (1, 2):
+        r = cli(site, "prepare", "in", "e.arrow", "--out", f"s{workers}", "--transform",
+                "fmt:chat", "--workers", workers)
+        assert r.returncode == 0, r.stderr
+        assert "dropped_by_transform 16" in r.stderr, r.stderr
+    assert texts_of(site / "s1") == (expected(rows[70:]) + expected(rows[:60]) +  # path order
+                                     ["plain: a whole text file"] + expected(rows[60:70]))
+    assert store_bytes(site / "s1") == store_bytes(site / "s2")
+    m = json.loads((site / "s1" / "manifest.json").read_text())
+    assert m["skipped"]["by_reason"] == {"dropped_by_transform": 16}
+    assert m["settings"]["transform"].startswith("fmt:chat (source xxh3 ")
+    assert [(e["path"], e["where"]) for e in m["skipped"]["examples"][:3]] == [
+        ("e.arrow", "row 4 (record batch 1)"), ("e.arrow", "row 9 (record batch 2)"),
+        ("in/a.jsonl", "line 4")]
+    assert m["skipped"]["examples"][0]["detail"] == "fmt:chat returned None"
+    plain = cli(site, "prepare", "in/a.jsonl", "--out", "plain", "--text-key", "q")
+    assert plain.returncode == 0 and "transform" not in json.loads(
+        (site / "plain" / "manifest.json").read_text())["settings"]
+
+
+def test_a_module_in_the_current_folder_is_found_by_the_cli(site):
+    (site / "fmt_here.py").write_text("def q(record):\n    return record['q'].upper()\n")
+    write_records(site / "x.jsonl", records(3))
+    r = cli(site, "prepare", "x.jsonl", "--out", "s", "--transform", "fmt_here:q", "--workers", 2)
+    assert r.returncode == 0, r.stderr
+    assert texts_of(site / "s") == ["QUESTION 0", "QUESTION 1", "QUESTION 2"]
+
+
+def test_a_transform_the_workers_cannot_import_is_refused_with_what_to_do(site, tmp_path):
+    write_records(site / "x.jsonl", records(3))
+    script = site / "prep.py"  # a user's script, no __main__ guard
+    script.write_text("import tokenmill\n\ndef to_text(r):\n    return r['q']\n\n"
+                      "tokenmill.prepare('x.jsonl', out='s', transform=to_text, workers=2)\n")
+    r = subprocess.run([sys.executable, str(script)], cwd=site, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode != 0
+    assert "transform to_text is defined in the script that was run (__main__)" in r.stderr
+    assert "move it into a module of its own" in r.stderr
+    for fn in (lambda r: r["q"], nested()):
+        with pytest.raises(ConfigError, match="is a lambda, a nested function"):
+            prepare(site / "x.jsonl", out=tmp_path / "t", transform=fn, progress=False)
+    for spec, says in [("fmt", "must be 'module:function'"), ("nomod:f", "cannot import module"),
+                       ("fmt:nothing", "module 'fmt' has no 'nothing'")]:
+        r = cli(site, "prepare", "x.jsonl", "--out", "s", "--transform", spec)
+        assert r.returncode == 2 and says in r.stderr, r.stderr
+        assert r.stderr.startswith("tokenmill prepare: error: ") and r.stderr.count("\n") == 1
+
+
+def nested():
+    def inner(record):
+        return record["q"]
+    return inner
+
+
+def test_a_failing_transform_names_file_row_and_transform(site):
+    rows = records(20)
+    write_records(site / "x.jsonl", rows)
+    pq.write_table(pa.Table.from_pylist(rows), site / "x.parquet", row_group_size=5)
+    r = cli(site, "prepare", "x.jsonl", "--out", "s", "--transform", "fmt:boom")
+    assert r.returncode == 2
+    assert ("x.jsonl:8: transform fmt:boom raised KeyError: 'no such field'; fix the transform "
+            "or pass --on-error skip") in r.stderr, r.stderr
+    r = cli(site, "prepare", "x.parquet", "--out", "s", "--transform", "fmt:boom")
+    assert r.returncode == 2 and "x.parquet, row 8 (row group 1): transform fmt:boom" in r.stderr
+    r = cli(site, "prepare", "x.jsonl", "--out", "s", "--transform", "fmt:boom", "--on-error",
+            "skip")
+    assert r.returncode == 0 and "transform_error 2" in r.stderr, r.stderr
+    assert texts_of(site / "s") == [x["q"] for x in rows if not x["q"].endswith("7")]
+
+
+def test_a_resume_with_a_changed_transform_is_refused(site):
+    write_records(site / "x.jsonl", records(1000))
+    kill_after_first_commit(script(site, "s", transform="fmt:chat", wait=False,
+                                   env={"SLOW_TRANSFORM": "1"}), site / "s")
+    module = site / "mods" / "fmt.py"
+    module.write_text(TRANSFORMS.replace('"<user> "', '"<human> "'))
+    r = script(site, "s", transform="fmt:chat")
+    assert r.returncode != 0 and "holds an unfinished prepare with other settings" in r.stderr
+    assert "(transform: 'fmt:chat (source xxh3 " in r.stderr, r.stderr
+    module.write_text(TRANSFORMS)  # the original source: the run resumes and finishes
+    r = script(site, "s", transform="fmt:chat")
+    assert r.returncode == 0, r.stderr
+    assert texts_of(site / "s") == expected(records(1000))
+    r = cli(site, "prepare", "x.jsonl", "--out", "s", "--transform", "fmt:boom",
+            "--shard-tokens", 2000)
+    assert r.returncode == 2 and "already holds a store prepared with other settings (transform: "\
+        "'fmt:chat (source xxh3 " in r.stderr and "→ 'fmt:boom (source xxh3 " in r.stderr
+
+
+# ---- validation split ------------------------------------------------------------------------
+
+def test_the_split_is_disjoint_complete_and_the_same_for_any_worker_count(site):
+    rows = records(400)
+    write_records(site / "x.jsonl", rows)
+    for workers in (1, 2):
+        r = cli(site, "prepare", "x.jsonl", "--out", f"sp{workers}", "--transform", "fmt:chat",
+                "--val-fraction", 0.2, "--workers", workers, "--shard-tokens", 3000)
+        assert r.returncode == 0, r.stderr
+    train, val = site / "sp1" / "train", site / "sp1" / "val"
+    assert store_bytes(train) == store_bytes(site / "sp2" / "train")
+    assert store_bytes(val) == store_bytes(site / "sp2" / "val")
+    want = expected(rows)
+    got_train, got_val = texts_of(train), texts_of(val)
+    assert not digests(train) & digests(val)
+    assert sorted(got_train + got_val) == sorted(want) and len(got_train) + len(got_val) == 320
+    assert 0.1 < len(got_val) / len(want) < 0.3
+    assert got_train == [t for t in want if t in set(got_train)]  # corpus order kept on each side
+    m = json.loads((val / "manifest.json").read_text())
+    assert m["settings"]["holdout"] == ["val", 0.2]
+    assert m["skipped"]["by_reason"] == {"dropped_by_transform": 80, "held_out": len(got_train)}
+    assert all(e["reason"] != "held_out" for e in m["skipped"]["examples"])
+    shown = cli(site, "inspect", "sp1")
+    assert shown.returncode == 0, shown.stderr
+    assert (f"split        train side (fraction 0.2): {len(got_train)} of 320 documents "
+            f"({len(got_val)} on the val side)") in shown.stdout
+    assert (f"split        val side (fraction 0.2): {len(got_val)} of 320 documents "
+            f"({len(got_train)} on the train side)") in shown.stdout
+    info = json.loads(cli(site, "inspect", "sp1/val", "--json").stdout)
+    assert info["split"] == {"side": "val", "fraction": 0.2, "held_out": len(got_train)}
+
+
+def test_an_interrupted_split_resumes_to_the_same_stores(site):
+    write_records(site / "x.jsonl", records(1000))
+    opts = dict(transform="fmt:chat", val_fraction=0.1)
+    kill_after_first_commit(script(site, "sp", wait=False, env={"SLOW_TRANSFORM": "1"}, **opts),
+                            site / "sp" / "train")
+    assert script(site, "sp", **opts).returncode == 0
+    ref = cli(site, "prepare", "x.jsonl", "--out", "ref", "--transform", "fmt:chat",
+              "--val-fraction", 0.1, "--shard-tokens", 2000, "--workers", 1)
+    assert ref.returncode == 0, ref.stderr
+    for side in ("train", "val"):  # the CLI's other unit size and worker count: the same bytes
+        assert store_bytes(site / "sp" / side) == store_bytes(site / "ref" / side)
+
+
+def test_documents_keep_their_side_when_the_corpus_grows(site):
+    (site / "v1").mkdir()
+    write_jsonl(site / "v1" / "a.jsonl", [f"old document {i}" for i in range(300)])
+    assert cli(site, "prepare", "v1", "--out", "old", "--val-fraction", 0.1).returncode == 0
+    (site / "v2").mkdir()
+    write_jsonl(site / "v2" / "a.jsonl", [f"old document {i}" for i in range(300)])
+    write_jsonl(site / "v2" / "0-new.jsonl", [f"new document {i}" for i in range(300)])
+    assert cli(site, "prepare", "v2", "--out", "new", "--val-fraction", 0.1).returncode == 0
+    old_val, new_val = set(texts_of(site / "old" / "val")), set(texts_of(site / "new" / "val"))
+    old_train, new_train = set(texts_of(site / "old" / "train")), set(texts_of(site / "new" /
+                                                                                 "train"))
+    assert old_val and old_val <= new_val and old_train <= new_train
+    assert len(new_val - old_val) > 0 and not new_val & new_train
+
+
+def test_a_split_is_refused_over_a_plain_store_and_when_the_val_side_is_empty(site):
+    write_jsonl(site / "x.jsonl", [f"doc {i}" for i in range(20)])
+    assert cli(site, "prepare", "x.jsonl", "--out", "plain").returncode == 0
+    r = cli(site, "prepare", "x.jsonl", "--out", "plain", "--val-fraction", 0.1)
+    assert r.returncode == 2
+    assert "plain: holds a store (or an unfinished prepare) made without --val-fraction" in r.stderr
+    r = cli(site, "prepare", "x.jsonl", "--out", "tiny", "--val-fraction", 1e-9)
+    assert r.returncode == 2 and "no document of the 20 falls on the val side" in r.stderr
+    r = cli(site, "prepare", "x.jsonl", "--out", "bad", "--val-fraction", 1)
+    assert r.returncode == 2 and "val_fraction must be a number between 0 and 1" in r.stderr
+    assert cli(site, "prepare", "x.jsonl", "--out", "sp", "--val-fraction", 0.5).returncode == 0
+    r = cli(site, "prepare", "x.jsonl", "--out", "sp")
+    assert r.returncode == 2 and "sp: holds the train/ and val/ stores of a split" in r.stderr
+
+
+def test_keep_side_partitions_texts_and_keeps_skips_in_place():
+    texts = [f"t{i}" for i in range(12)]
+    val, train = kept_indices(texts, ("val", 0.3)), kept_indices(texts, ("train", 0.3))
+    assert sorted(val + train) == list(range(12)) and val and train
+    bad = Skip("f", "line 3", "malformed_json", "x")
+    kept, skips = keep_side(texts, [(0, bad), (5, bad), (12, bad)], ("val", 0.3), "f")
+    assert kept == val
+    kept = [texts[i] for i in kept]
+    order = []  # replay: skips at their ordinals among the kept texts
+    for k in range(len(kept) + 1):
+        order += [s.reason if s.reason != "held_out" else "h" for o, s in skips if o == k]
+        order += [kept[k]] if k < len(kept) else []
+    want = []
+    for i, t in enumerate(texts + [None]):
+        want += ["malformed_json"] if i in (0, 5, 12) else []
+        want += ([t] if i in val else ["h"]) if t is not None else []
+    assert order == want
