@@ -15,14 +15,15 @@ import sys
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from tokenmill.errors import ConfigError, InputError
 
 REASONS = ("malformed_json", "missing_field", "non_string_field", "invalid_utf8", "empty_document",
-           "empty_file", "no_match", "unreadable", "binary_file")
-FORMATS = ("txt", "jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow")
-EXTENSIONS = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".txt", ".parquet", ".arrow")  # longest first
+           "empty_file", "no_match", "unreadable", "binary_file", "malformed_row")
+FORMATS = ("txt", "jsonl", "jsonl.gz", "jsonl.zst", "json", "csv", "tsv", "parquet", "arrow")
+EXTENSIONS = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".json", ".csv", ".tsv", ".txt", ".parquet",
+              ".arrow")  # longest first
 COMPRESSED = ("jsonl.gz", "jsonl.zst")  # streams: no seeking, so the parent reads their units
 LONG_DOCUMENT = 64 << 20  # a single document of more text than this gets a warning
 TXT_MODES = ("file", "lines", "paragraphs")
@@ -31,9 +32,16 @@ _WHAT = {"malformed_json": "malformed JSON", "missing_field": "missing field",
          "non_string_field": "text is not a string", "invalid_utf8": "invalid UTF-8",
          "empty_document": "empty document", "empty_file": "empty file",
          "no_match": "no file matched", "unreadable": "cannot read file",
-         "binary_file": "binary file, not text"}
+         "binary_file": "binary file, not text", "malformed_row": "malformed row"}
 _FILE_HINT = {"no_match": "check the path or pattern", "unreadable": "check that it exists and is readable",
               "missing_field": "choose the column with --text-key"}
+
+
+class Doc(NamedTuple):
+    """A document and the 1-based line (or row, or array element) where it starts in its file."""
+
+    text: str
+    line: int
 
 
 @dataclass(frozen=True)
@@ -75,8 +83,8 @@ class Unit:
 
 @dataclass(frozen=True)
 class Skip:
-    """Something passed over: where is "line 12", "row 5 (row group 0)", "row 5 (record batch 0)"
-    or "file" (lines and rows 1-based)."""
+    """Something passed over: where is "line 12", "row 5 (row group 0)", "row 5 (record batch 0)",
+    "row 5 (line 7)" (CSV/TSV), "element 3" (a JSON array) or "file" (all 1-based)."""
 
     path: str
     where: str
@@ -137,8 +145,8 @@ def problem(path: str, on_error: str, where: str, reason: str, detail: str) -> S
         return Skip(path, where, reason, detail)
     if where.startswith("line "):
         place, hint = f"{path}:{where[5:]}", "fix the line"
-    elif where.startswith("row "):
-        place, hint = f"{path}, {where}", "fix the row"
+    elif where.startswith(("row ", "element ")):
+        place, hint = f"{path}, {where}", f"fix the {where.split()[0]}"
     else:
         place, hint = path, _FILE_HINT.get(reason, "fix or remove the file") + ","
     raise InputError(f"{place}: {_WHAT[reason]} ({detail}); {hint} or pass --on-error skip",

@@ -44,11 +44,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
 
-from tokenmill import columnar, readers
+from tokenmill import columnar, readers, splits, tabular
 from tokenmill.decompress import StreamPayloads
-from tokenmill.errors import InputError
-from tokenmill.io import file_size, filesystem, is_url
-from tokenmill.records import (COMPRESSED, EXTENSIONS, FORMATS, LONG_DOCUMENT, REASONS, Skip,
+from tokenmill.errors import ConfigError, InputError, TokenmillError
+from tokenmill.io import file_size, filesystem, is_url, read_bytes
+from tokenmill.records import (COMPRESSED, EXTENSIONS, FORMATS, LONG_DOCUMENT, REASONS, Doc, Skip,
                                SourceConfig, Unit, check_policy, describe, format_of,
                                format_or_none, io_errors, problem, web_path)
 
@@ -109,15 +109,19 @@ class Listing(NamedTuple):
 
 
 def list_inputs(inputs: str | os.PathLike | Sequence[str | os.PathLike], *, on_error: str = "raise",
-                storage_options: Mapping[str, Any] | None = None) -> Listing:
-    """Expand files, directories (recursively), globs and URLs into a Listing."""
+                storage_options: Mapping[str, Any] | None = None, split: str | None = None) -> Listing:
+    """Expand files, directories (recursively), globs and URLs into a Listing; a directory
+    holding several splits gives those of ``split`` (required then, see tokenmill.splits)."""
     check_policy(on_error)
+    if split is not None and (not isinstance(split, str) or not split):
+        raise ConfigError(f"split must be a non-empty string or None (got split={split!r})")
     patterns = [os.fspath(inputs)] if isinstance(inputs, (str, os.PathLike)) else list(map(os.fspath, inputs))
     files, skips, passed = set(), [], []
     for pattern in patterns:
         before = len(passed)
         found = (_expand_url(pattern, storage_options, passed) if is_url(pattern)
                  else _expand_local(pattern, passed))
+        found = _of_split(pattern, found, split, storage_options)
         if not found:
             here = Ignored.of(passed[before:])
             detail = _no_match_detail(pattern) + (f"; found only {here.summary()}" if here else "")
@@ -132,9 +136,10 @@ def list_inputs(inputs: str | os.PathLike | Sequence[str | os.PathLike], *, on_e
 
 
 def list_files(inputs: str | os.PathLike | Sequence[str | os.PathLike], *, on_error: str = "raise",
-               storage_options: Mapping[str, Any] | None = None) -> tuple[list[str], list[Skip]]:
+               storage_options: Mapping[str, Any] | None = None,
+               split: str | None = None) -> tuple[list[str], list[Skip]]:
     """(files, skips) of list_inputs: what to read, without the passed-over files."""
-    listing = list_inputs(inputs, on_error=on_error, storage_options=storage_options)
+    listing = list_inputs(inputs, on_error=on_error, storage_options=storage_options, split=split)
     return listing.files, listing.skips
 
 
@@ -170,14 +175,28 @@ def read_unit(unit: Unit, config: SourceConfig, payload: bytes | None = None) ->
     try:
         if fmt in _COLUMNAR:
             docs = _COLUMNAR[fmt][1](unit.path, unit.start, unit.stop, config, report)
-        else:
-            docs = readers.read_text(unit, fmt, config, report, payload)
+        elif fmt in tabular.FORMATS and _whole_record_file(unit, fmt, config):
+            docs = _texts(tabular.read_csv(unit.path, fmt, config, report) if fmt != "json"
+                          else tabular.read_json_array(unit.path, config, report))
+        else:  # a .json that is not an array is JSON Lines
+            docs = readers.read_text(unit, "jsonl" if fmt == "json" else fmt, config, report, payload)
         if fmt == "txt" and config.txt_mode == "file":
             yield from docs  # a whole file is one document: warned about when planned
         else:
             yield from _warn_long_documents(unit.path, docs)
     except io_errors() as e:
         yield report("file", "unreadable", describe(e))
+
+
+def _whole_record_file(unit: Unit, fmt: str, config: SourceConfig) -> bool:
+    """A CSV/TSV, or a .json array: read whole by tabular (JSON Lines are planned in ranges)."""
+    return fmt != "json" or (unit.stop < 0 and tabular.json_layout(unit.path, config.storage_options)
+                             == "array")
+
+
+def _texts(docs: Iterator[Doc | Skip]) -> Iterator[str | Skip]:
+    """C1 bridge: the texts of Docs, while read_unit yields str (drop when it yields Doc)."""
+    return (d.text if isinstance(d, Doc) else d for d in docs)
 
 
 def _warn_long_documents(path: str, docs: Iterator[str | Skip]) -> Iterator[str | Skip]:
@@ -230,7 +249,8 @@ def _plan_file(path: str, fmt: str, config: SourceConfig) -> list[Unit]:
     if fmt == "txt" and config.txt_mode == "file":
         _warn_if_long(path, config)
         return [Unit(path, 0, -1)]
-    plan = _COLUMNAR[fmt][0] if fmt in _COLUMNAR else readers.plan_ranges
+    plan = (_COLUMNAR[fmt][0] if fmt in _COLUMNAR else partial(tabular.plan, fmt=fmt)
+            if fmt in tabular.FORMATS else readers.plan_ranges)
     try:
         return [Unit(path, start, stop) for start, stop in plan(path, config)]
     except io_errors() as e:  # under "skip", read_unit meets the error again and reports it
@@ -255,8 +275,36 @@ def _warn_if_long(path: str, config: SourceConfig) -> None:
 # ---- listing ---------------------------------------------------------------------------------
 
 def _walkable(path: str) -> bool:
-    """A file a directory walk takes: a supported type, loose .arrow files excepted."""
-    return format_or_none(path) not in (None, "arrow")
+    """A file a directory walk takes: a supported type, loose .arrow files and the metadata
+    files of datasets (dataset_info.json, …) excepted."""
+    return (format_or_none(path) not in (None, "arrow")
+            and path.rpartition("/")[2].rpartition(os.sep)[2] not in _METADATA)
+
+
+# what ``datasets`` writes or ignores beside data (its FILES_TO_IGNORE), never taken by a walk
+_METADATA = {"config.json", "dataset_info.json", "dataset_infos.json", splits.DATASET_DICT,
+             DATASET_STATE}
+
+
+def _of_split(pattern: str, found: list[str], split: str | None, storage_options) -> list[str]:
+    """The files ``found`` for a directory ``pattern``, narrowed to its split (tokenmill.splits)."""
+    if _has_magic(web_path(pattern)) or not found:
+        return found
+    if is_url(pattern):
+        root = pattern.rstrip("/")
+        if not all(f.startswith(root + "/") for f in found):
+            return found  # a file (or a URL spelled otherwise than its listing)
+        relative, read = (lambda f: f[len(root) + 1:]), partial(read_bytes, storage_options=storage_options)
+    elif os.path.isdir(pattern):
+        root, relative, read = pattern, partial(os.path.relpath, start=pattern), _read_local
+    else:
+        return found
+    try:
+        data = read(os.path.join(root, splits.DATASET_DICT) if read is _read_local
+                    else f"{root}/{splits.DATASET_DICT}")
+    except (OSError, TokenmillError):
+        data = None
+    return splits.choose(pattern, found, relative, split, splits.dict_splits(data))
 
 
 def _has_magic(pattern: str) -> bool:
@@ -355,6 +403,8 @@ def _expand_url(url: str, storage_options, passed: list[str]) -> list[str]:
                 found += _taken([path], arrow_ok, skipped)
         passed += [fs.unstrip_protocol(p) for p in skipped]
         return [fs.unstrip_protocol(p) for p in found]
+    except ConfigError:
+        raise  # a missing fsspec backend: its message says what to install
     except (OSError, ValueError, ImportError) as e:
         if _unreachable(e):
             raise InputError(f"{url}: cannot reach its host ({describe(_root_cause(e))}); check the "

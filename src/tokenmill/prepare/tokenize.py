@@ -42,6 +42,7 @@ class PrepareConfig:
     bos: str | None = None
     tokenizer_engine: str = "auto"  # what runs a tokenizer.json; never changes the ids
     unit_bytes: int = 4 << 20  # 4 MiB units: small enough that 2 workers end together
+    split: str | None = None  # the split of a folder holding several (tokenmill.splits)
 
     def __post_init__(self):
         for name in ("shard_tokens", "unit_bytes"):
@@ -61,6 +62,8 @@ class PrepareConfig:
         s = asdict(self)
         s.pop("tokenizer_engine")  # every engine gives identical ids (proven at load time)
         s.pop("unit_bytes")  # how work is split never changes the bytes (the resume key has it)
+        if s["split"] is None:
+            s.pop("split")  # stores made before --split existed keep their settings
         s["inputs"] = [input_name(i) for i in inputs]
         s["num_files"] = len(files)
         s["files_xxh3"] = xxhash.xxh3_64_hexdigest(

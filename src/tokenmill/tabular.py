@@ -1,0 +1,232 @@
+"""Readers of record files behind ``tokenmill.sources``: CSV / TSV (a column of every row) and
+``.json`` files, which are either JSON Lines (the Hugging Face Hub's common form) or one top-level
+JSON array of objects.
+
+A ``.json`` file's layout is sniffed from its first byte that is not whitespace (after a UTF-8
+byte-order mark): ``[`` is an array, anything else JSON Lines. JSON Lines are cut into byte ranges
+and read by ``tokenmill.readers`` exactly as a ``.jsonl`` (units in parallel). An array is one unit
+per file, parsed one element at a time (``json.JSONDecoder.raw_decode`` over a buffer of 1 MiB
+reads, doubled while an element does not fit): memory holds one element and a read, never the
+whole file. A malformed element ends the file (what follows cannot be found reliably): under
+``on_error="skip"`` it is one Skip, ``element N`` (1-based), and nothing after it is read.
+
+CSV / TSV: one unit per file (a quoted field may hold newlines, so a byte range cannot tell where
+a row starts without reading from the top). The first row is the header; ``text_key`` names the
+column (a missing column is a file-level problem naming the columns there are). Rows are numbered
+from 1 after the header, blank lines not counted (as pandas and pyarrow number them); a Skip's
+place is ``row N (line L)``, L the physical line where the row starts. Read with the ``csv``
+module (RFC 4180 quoting, ``""`` inside quotes; TSV the same with tabs), whose field size limit
+this module raises process-wide to 2 GiB (the default, 128 KiB, refuses long documents). Bytes
+that are not UTF-8 are reported per row (``invalid_utf8``), never for the whole file.
+
+Every reader takes a ``report(where, reason, detail)`` function and yields what it returns in the
+place of a bad record (a ``Skip``, or it raises); documents are ``records.Doc(text, line)``, line
+the 1-based row or array element.
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import io
+import json
+import re
+from collections.abc import Iterator
+
+from tokenmill.io import open_binary
+from tokenmill.readers import plan_ranges
+from tokenmill.records import Doc, Report, Skip, SourceConfig
+
+FORMATS = ("json", "csv", "tsv")
+_CHUNK = 1 << 20  # an array is read 1 MiB at a time (more while one element does not fit)
+_SNIFF = 8192  # a NUL byte in the first 8 KiB marks a binary file
+_FIELD_LIMIT = (1 << 31) - 1  # csv's limit on one field, in characters
+_WS = " \t\r\n"  # JSON whitespace
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of a bad byte
+
+
+def json_layout(path: str, storage_options=None) -> str:
+    """"array" if the file's first byte that is not whitespace is "[", else "lines"."""
+    with open_binary(path, storage_options) as f:
+        head = f.read(_SNIFF).removeprefix(b"\xef\xbb\xbf")  # a byte-order mark
+        while head and not head.lstrip(_WS.encode()):
+            head = f.read(_SNIFF)
+    return "array" if head.lstrip(_WS.encode())[:1] == b"[" else "lines"
+
+
+def plan(path: str, config: SourceConfig, fmt: str) -> list[tuple[int, int]]:
+    """Units of a record file: one for a CSV/TSV or a JSON array, byte ranges for JSON Lines."""
+    if fmt == "json" and json_layout(path, config.storage_options) == "lines":
+        return plan_ranges(path, config)
+    return [(0, -1)]
+
+
+# ---- CSV / TSV -------------------------------------------------------------------------------
+
+def read_csv(path: str, fmt: str, config: SourceConfig, report: Report) -> Iterator[Doc | Skip]:
+    """The documents of a CSV (fmt "csv") or TSV ("tsv") file: column text_key of every row."""
+    key = config.text_key
+    csv.field_size_limit(max(csv.field_size_limit(), _FIELD_LIMIT))
+    with open_binary(path, config.storage_options) as raw:
+        head = raw.peek(_SNIFF)[:_SNIFF] if hasattr(raw, "peek") else b""
+        if b"\0" in head:
+            yield report("file", "binary_file", f"NUL byte at offset {head.index(0)}")
+            return
+        text = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="surrogateescape", newline="")
+        rows = csv.reader(text, delimiter="\t" if fmt == "tsv" else ",")
+        header = next(rows, None)
+        if not header:
+            yield report("file", "empty_file", "no header row")
+            return
+        if key not in header:
+            yield report("file", "missing_field", f"no column {key!r}; columns are "
+                         f"{', '.join(map(repr, header[:8]))}")
+            return
+        yield from _rows(rows, header.index(key), len(header), key, report)
+
+
+def _rows(rows, index: int, width: int, key: str, report: Report) -> Iterator[Doc | Skip]:
+    """Column ``index`` of the rows after the header; rows numbered from 1, blank lines skipped."""
+    row, line = 0, rows.line_num  # line: the physical lines read so far
+    while True:
+        try:
+            fields = next(rows)
+        except StopIteration:
+            return
+        except csv.Error as e:  # e.g. a quote left open at the end of the file
+            yield report(f"row {row + 1} (line {line + 1})", "malformed_row", str(e))
+            return
+        start, line = line + 1, rows.line_num
+        if not fields:
+            continue  # a blank line: trailing newlines are common
+        row += 1
+        where = f"row {row} (line {start})"
+        if len(fields) != width:
+            yield report(where, "malformed_row",
+                         f"{len(fields)} fields, the header has {width}; is a field with a "
+                         "delimiter or newline not quoted?")
+        elif bad := _NOT_UTF8.search(text := fields[index]):
+            yield report(where, "invalid_utf8", f"byte 0x{ord(bad.group()) - 0xdc00:02x} at "
+                         f"character {bad.start() + 1} of {key!r}")
+        elif text:
+            yield Doc(text, row)
+        else:
+            yield report(where, "empty_document", f"{key!r} is empty")
+
+
+# ---- JSON arrays -----------------------------------------------------------------------------
+
+def read_json_array(path: str, config: SourceConfig, report: Report) -> Iterator[Doc | Skip]:
+    """The documents of a file holding one JSON array of objects: field text_key of each."""
+    key = config.text_key
+    with open_binary(path, config.storage_options) as f:
+        for n, value in enumerate(_elements(f), 1):
+            if isinstance(value, _Malformed):
+                yield report("file" if value.whole else f"element {n}", "malformed_json",
+                             value.detail)
+                return
+            yield _element_doc(value, n, key, report)
+
+
+def _element_doc(value, n: int, key: str, report: Report) -> Doc | Skip:
+    """Field ``key`` of element n (1-based) as a Doc, or the report of what is wrong with it."""
+    where = f"element {n}"
+    if not isinstance(value, dict):
+        return report(where, "malformed_json", f"expected a JSON object, got {_kind(value)}")
+    if key not in value:
+        return report(where, "missing_field", f"no {key!r} key; keys are "
+                      f"{', '.join(map(repr, list(value)[:5])) or 'none'}")
+    text = value[key]
+    if type(text) is not str:
+        return report(where, "non_string_field", f"{key!r} is {_kind(text)}")
+    if bad := _NOT_UTF8.search(text):
+        return report(where, "invalid_utf8", f"byte 0x{ord(bad.group()) - 0xdc00:02x} at "
+                      f"character {bad.start() + 1} of {key!r}")
+    return Doc(text, n) if text else report(where, "empty_document", f"{key!r} is empty")
+
+
+class _Malformed:
+    """What _elements yields in the place of an element it cannot parse (and then stops)."""
+
+    def __init__(self, detail: str, whole: bool = False):
+        self.detail, self.whole = detail, whole
+
+
+class _Buffer:
+    """Decoded text of a binary file, read on demand; ``pos`` is where parsing stands."""
+
+    def __init__(self, f):
+        self.f, self.text, self.pos, self.eof = f, "", 0, False
+        self.decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="surrogateescape")
+
+    def more(self) -> bool:
+        """Read more (at least as much as is held: an element longer than a read costs
+        O(n log n), not O(n²)); False at the end of the file."""
+        if self.eof:
+            return False
+        data = self.f.read(max(_CHUNK, len(self.text) - self.pos))
+        self.text, self.pos = self.text[self.pos:] + self.decoder.decode(data, final=not data), 0
+        self.eof = not data
+        return True
+
+    def skip_space(self) -> str:
+        """The next character that is not whitespace ("" at the end of the file)."""
+        while True:
+            while self.pos < len(self.text) and self.text[self.pos] in _WS:
+                self.pos += 1
+            if self.pos < len(self.text) or not self.more():
+                return self.text[self.pos:self.pos + 1]
+
+
+def _elements(f) -> Iterator[object]:
+    """The elements of a top-level JSON array, one at a time; a _Malformed ends them."""
+    buf = _Buffer(f)
+    if buf.skip_space() != "[":
+        yield _Malformed("not a JSON array", whole=True)
+        return
+    buf.pos += 1
+    if buf.skip_space() != "]":
+        while True:
+            value = _element(buf)
+            yield value
+            if isinstance(value, _Malformed):
+                return
+            c = buf.skip_space()
+            if c == "]":
+                break
+            if c != ",":
+                yield _Malformed(f"expected ',' or ']' after the element, found {c!r}" if c
+                                 else "the array is not closed (the file ends)")
+                return
+            buf.pos += 1
+            buf.skip_space()
+    buf.pos += 1
+    if rest := buf.skip_space():
+        yield _Malformed(f"extra data after the array: {rest!r}", whole=True)
+
+
+def _element(buf: _Buffer) -> object:
+    """The element at buf.pos (reading more until it is whole), buf.pos moved past it."""
+    decode = json.JSONDecoder().raw_decode
+    while True:
+        try:
+            value, end = decode(buf.text, buf.pos)
+            # a number at the end of what was read may go on in the next read
+            if end < len(buf.text) or buf.eof or isinstance(value, (dict, list, str)):
+                buf.pos = end
+                return value
+        except json.JSONDecodeError as e:
+            if buf.eof:
+                return _Malformed(f"{e.msg} (character {e.pos - buf.pos + 1} of the element)")
+        except RecursionError:
+            return _Malformed("nested too deeply")
+        buf.more()
+
+
+_KINDS = {type(None): "null", bool: "a boolean", int: "a number", float: "a number",
+          str: "a string", list: "an array", dict: "an object"}
+
+
+def _kind(value) -> str:
+    """What a decoded JSON value is, for messages: _kind(None) == "null"."""
+    return _KINDS.get(type(value), type(value).__name__)
