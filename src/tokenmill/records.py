@@ -53,6 +53,7 @@ class SourceConfig:
     on_error: str = "raise"
     unit_bytes: int = 16 << 20
     storage_options: Mapping[str, Any] | None = None
+    split: str | None = None  # of a folder holding several splits (tokenmill.splits)
 
     def __post_init__(self):
         if not isinstance(self.text_key, str) or not self.text_key:
@@ -65,6 +66,8 @@ class SourceConfig:
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise ConfigError(f"storage_options must be a mapping or None "
                               f"(got storage_options={self.storage_options!r})")
+        if self.split is not None and (not isinstance(self.split, str) or not self.split):
+            raise ConfigError(f"split must be a non-empty string or None (got split={self.split!r})")
 
 
 @dataclass(frozen=True)

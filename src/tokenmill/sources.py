@@ -113,8 +113,7 @@ def list_inputs(inputs: str | os.PathLike | Sequence[str | os.PathLike], *, on_e
     """Expand files, directories (recursively), globs and URLs into a Listing; a directory
     holding several splits gives those of ``split`` (required then, see tokenmill.splits)."""
     check_policy(on_error)
-    if split is not None and (not isinstance(split, str) or not split):
-        raise ConfigError(f"split must be a non-empty string or None (got split={split!r})")
+    SourceConfig(split=split)  # checks it
     patterns = [os.fspath(inputs)] if isinstance(inputs, (str, os.PathLike)) else list(map(os.fspath, inputs))
     files, skips, passed = set(), [], []
     for pattern in patterns:
@@ -217,7 +216,8 @@ def read_documents(inputs: str | os.PathLike | Sequence[str | os.PathLike],
                    config: SourceConfig | None = None) -> Iterator[str | Skip]:
     """Every document of the inputs, in order: list_files, plan_units and read_unit chained."""
     config = config or SourceConfig()
-    files, skips = list_files(inputs, on_error=config.on_error, storage_options=config.storage_options)
+    files, skips = list_files(inputs, on_error=config.on_error, storage_options=config.storage_options,
+                              split=config.split)
     yield from skips
     units = plan_units(files, config)
     for unit, payload in zip(units, unit_payloads(units, 0, config)):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import codecs
 import csv
 import io
+import itertools
 import json
 import re
 from collections.abc import Iterator
@@ -92,6 +93,8 @@ def _rows(rows, index: int, width: int, key: str, report: Report) -> Iterator[Do
         try:
             fields = next(rows)
         except StopIteration:
+            if not row:
+                yield report("file", "empty_file", "a header and no rows")
             return
         except csv.Error as e:  # e.g. a quote left open at the end of the file
             yield report(f"row {row + 1} (line {line + 1})", "malformed_row", str(e))
@@ -122,7 +125,7 @@ def read_json_array(path: str, config: SourceConfig, report: Report) -> Iterator
     with open_binary(path, config.storage_options) as f:
         for n, value in enumerate(_elements(f), 1):
             if isinstance(value, _Malformed):
-                yield report("file" if value.whole else f"element {n}", "malformed_json",
+                yield report("file" if value.whole else f"element {n}", value.reason,
                              value.detail)
                 return
             yield _element_doc(value, n, key, report)
@@ -148,8 +151,8 @@ def _element_doc(value, n: int, key: str, report: Report) -> Doc | Skip:
 class _Malformed:
     """What _elements yields in the place of an element it cannot parse (and then stops)."""
 
-    def __init__(self, detail: str, whole: bool = False):
-        self.detail, self.whole = detail, whole
+    def __init__(self, detail: str, whole: bool = False, reason: str = "malformed_json"):
+        self.detail, self.whole, self.reason = detail, whole, reason
 
 
 class _Buffer:
@@ -185,21 +188,23 @@ def _elements(f) -> Iterator[object]:
         yield _Malformed("not a JSON array", whole=True)
         return
     buf.pos += 1
-    if buf.skip_space() != "]":
-        while True:
-            value = _element(buf)
-            yield value
-            if isinstance(value, _Malformed):
-                return
-            c = buf.skip_space()
-            if c == "]":
-                break
-            if c != ",":
-                yield _Malformed(f"expected ',' or ']' after the element, found {c!r}" if c
-                                 else "the array is not closed (the file ends)")
-                return
-            buf.pos += 1
-            buf.skip_space()
+    if buf.skip_space() == "]":
+        yield _Malformed("an empty array", whole=True, reason="empty_file")
+        return
+    for n in itertools.count(1):
+        value = _element(buf)
+        yield value
+        if isinstance(value, _Malformed):
+            return
+        c = buf.skip_space()
+        if c == "]":
+            break
+        if c != ",":
+            yield (_Malformed(f"expected ',' or ']' after element {n}, found {c!r}") if c
+                   else _Malformed("the array is not closed (the file ends)", whole=True))
+            return
+        buf.pos += 1
+        buf.skip_space()
     buf.pos += 1
     if rest := buf.skip_space():
         yield _Malformed(f"extra data after the array: {rest!r}", whole=True)

@@ -54,7 +54,7 @@ class PrepareConfig:
         """The part of the config the readers need."""
         return sources.SourceConfig(text_key=self.text_key, txt_mode=self.txt_mode,
                                     on_error=self.on_error, unit_bytes=self.unit_bytes,
-                                    storage_options=storage_options)
+                                    storage_options=storage_options, split=self.split)
 
     def settings(self, inputs: Sequence[str], files: Sequence[str], sizes: dict[str, int]) -> dict:
         """What the manifest records: the config minus display-only fields, plus the inputs
