@@ -2,18 +2,23 @@
 
 Formats, by extension: ``.txt`` (one document per file, per line or per paragraph, see
 ``SourceConfig.txt_mode``), ``.jsonl`` / ``.jsonl.gz`` / ``.jsonl.zst`` (one JSON object per line,
-text under ``text_key``), ``.parquet`` (column ``text_key``) and ``.arrow`` (an Arrow IPC stream,
-column ``text_key``). Local paths are read with ``open``; anything containing ``://`` goes through
-fsspec (``tokenmill.io``) with ``storage_options``. The readers live in ``tokenmill.readers``
-(text) and ``tokenmill.columnar``; the shared types in ``tokenmill.records``.
+text under ``text_key``), ``.json`` (JSON Lines, or one top-level array of objects), ``.csv`` /
+``.tsv`` (a header row; column ``text_key``), ``.parquet`` (column ``text_key``) and ``.arrow`` (an
+Arrow IPC stream, column ``text_key``). Local paths are read with ``open``; anything containing
+``://`` goes through fsspec (``tokenmill.io``) with ``storage_options``: ``hf://datasets/org/name``
+through ``huggingface_hub``'s filesystem (a Hub dataset is a folder). The readers live in
+``tokenmill.readers`` (text), ``tokenmill.columnar`` and ``tokenmill.tabular`` (CSV/TSV, .json);
+the shared types in ``tokenmill.records``.
 
 Hugging Face datasets. A directory holding a ``state.json`` with ``_data_files`` (what
 ``Dataset.save_to_disk`` writes) is a dataset: listing gives its ``data-*.arrow`` files, as
 ``state.json`` names them, and never descends into it for other files (``cache-*.arrow`` files
 there are not part of it). A walk or glob takes no other ``.arrow`` file, unless the pattern itself
-ends in ``.arrow``; a file named explicitly is always taken. A ``DatasetDict`` directory holds one
-dataset per split, so every split is listed: name ``dir/train`` for one. What a walk or glob
-passes over (unsupported types, loose ``.arrow`` files) is counted by extension: ``Ignored``.
+ends in ``.arrow``, and no metadata ``.json`` (``dataset_info.json``, …); a file named explicitly is
+always taken. A folder holding several splits (a ``DatasetDict``: one dataset per split; a Hub
+dataset's ``data/train-*.parquet``, ``data/validation-*``) needs ``split`` (``--split``), or a
+split named as ``dir/train``: see ``tokenmill.splits``. What a walk or glob passes over
+(unsupported types, loose ``.arrow`` files) is counted by extension: ``Ignored``.
 
 Work units (see ``tokenmill.readers`` for the byte-range rules). A plain ``.jsonl``, or a ``.txt``
 in lines/paragraphs mode, is cut into byte ranges of about ``unit_bytes``; a range owns the records
@@ -21,7 +26,8 @@ that *start* inside it. A ``.jsonl.gz`` / ``.jsonl.zst`` is cut into ranges of a
 of decompressed text at line ends, by one pass over the stream; workers cannot seek in it, so the
 parent reads those units' bytes in order (``unit_payloads``) and ships them with the task
 (``read_unit(unit, config, payload)``). Parquet is cut by row groups, Arrow streams by record
-batches. A ``.txt`` in file mode is one unit (``stop=-1``: to the end); one of more than 64 MiB
+batches. A CSV/TSV and a ``.json`` array are one unit per file; a ``.json`` of JSON Lines is cut
+like a ``.jsonl``. A ``.txt`` in file mode is one unit (``stop=-1``: to the end); one of more than 64 MiB
 gets a warning (it becomes one document, tokenized whole).
 
 Bad input: see ``tokenmill.records``. File-level problems (empty, binary, missing or non-string

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import codecs
 import csv
-import io
 import itertools
 import json
 import re
@@ -73,8 +72,8 @@ def read_csv(path: str, fmt: str, config: SourceConfig, report: Report) -> Itera
         if b"\0" in head:
             yield report("file", "binary_file", f"NUL byte at offset {head.index(0)}")
             return
-        text = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="surrogateescape", newline="")
-        rows = csv.reader(text, delimiter="\t" if fmt == "tsv" else ",")
+        lines = _Lines(raw)
+        rows = csv.reader(lines, delimiter="\t" if fmt == "tsv" else ",")
         header = next(rows, None)
         if not header:
             yield report("file", "empty_file", "no header row")
@@ -83,12 +82,31 @@ def read_csv(path: str, fmt: str, config: SourceConfig, report: Report) -> Itera
             yield report("file", "missing_field", f"no column {key!r}; columns are "
                          f"{', '.join(map(repr, header[:8]))}")
             return
-        yield from _rows(rows, header.index(key), len(header), key, report)
+        yield from _rows(rows, lines.bad, (header.index(key), len(header)), key, report)
 
 
-def _rows(rows, index: int, width: int, key: str, report: Report) -> Iterator[Doc | Skip]:
+class _Lines:
+    """The lines of a binary file as str (with their line ends, as csv wants them); a line that
+    is not UTF-8 is decoded with surrogateescape and its number kept in ``bad``."""
+
+    def __init__(self, f):
+        self.f, self.bad = f, []
+
+    def __iter__(self) -> Iterator[str]:
+        for n, raw in enumerate(self.f, 1):
+            if n == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark (Excel writes one)
+            try:
+                yield raw.decode()
+            except UnicodeDecodeError:
+                self.bad.append(n)
+                yield raw.decode(errors="surrogateescape")
+
+
+def _rows(rows, bad: list[int], shape: tuple[int, int], key: str,
+          report: Report) -> Iterator[Doc | Skip]:
     """Column ``index`` of the rows after the header; rows numbered from 1, blank lines skipped."""
-    row, line = 0, rows.line_num  # line: the physical lines read so far
+    (index, width), row, line = shape, 0, rows.line_num  # line: the physical lines read so far
     while True:
         try:
             fields = next(rows)
@@ -108,10 +126,9 @@ def _rows(rows, index: int, width: int, key: str, report: Report) -> Iterator[Do
             yield report(where, "malformed_row",
                          f"{len(fields)} fields, the header has {width}; is a field with a "
                          "delimiter or newline not quoted?")
-        elif bad := _NOT_UTF8.search(text := fields[index]):
-            yield report(where, "invalid_utf8", f"byte 0x{ord(bad.group()) - 0xdc00:02x} at "
-                         f"character {bad.start() + 1} of {key!r}")
-        elif text:
+        elif bad and bad[-1] >= start and (error := _not_utf8(text := fields[index], key)):
+            yield report(where, "invalid_utf8", error)
+        elif text := fields[index]:
             yield Doc(text, row)
         else:
             yield report(where, "empty_document", f"{key!r} is empty")
@@ -123,16 +140,25 @@ def read_json_array(path: str, config: SourceConfig, report: Report) -> Iterator
     """The documents of a file holding one JSON array of objects: field text_key of each."""
     key = config.text_key
     with open_binary(path, config.storage_options) as f:
-        for n, value in enumerate(_elements(f), 1):
+        buf = _Buffer(f)
+        for n, value in enumerate(_elements(buf), 1):
             if isinstance(value, _Malformed):
                 yield report("file" if value.whole else f"element {n}", value.reason,
                              value.detail)
                 return
-            yield _element_doc(value, n, key, report)
+            yield _element_doc(value, n, key, report, buf.dirty)
 
 
-def _element_doc(value, n: int, key: str, report: Report) -> Doc | Skip:
-    """Field ``key`` of element n (1-based) as a Doc, or the report of what is wrong with it."""
+def _not_utf8(text: str, key: str) -> str | None:
+    """Where ``text`` holds a byte that was not UTF-8 (decoded with surrogateescape), if it does."""
+    if bad := _NOT_UTF8.search(text):
+        return f"byte 0x{ord(bad.group()) - 0xdc00:02x} at character {bad.start() + 1} of {key!r}"
+    return None
+
+
+def _element_doc(value, n: int, key: str, report: Report, check: bool) -> Doc | Skip:
+    """Field ``key`` of element n (1-based) as a Doc, or the report of what is wrong with it;
+    ``check``: look for bytes that were not UTF-8."""
     where = f"element {n}"
     if not isinstance(value, dict):
         return report(where, "malformed_json", f"expected a JSON object, got {_kind(value)}")
@@ -142,9 +168,8 @@ def _element_doc(value, n: int, key: str, report: Report) -> Doc | Skip:
     text = value[key]
     if type(text) is not str:
         return report(where, "non_string_field", f"{key!r} is {_kind(text)}")
-    if bad := _NOT_UTF8.search(text):
-        return report(where, "invalid_utf8", f"byte 0x{ord(bad.group()) - 0xdc00:02x} at "
-                      f"character {bad.start() + 1} of {key!r}")
+    if check and (error := _not_utf8(text, key)):
+        return report(where, "invalid_utf8", error)
     return Doc(text, n) if text else report(where, "empty_document", f"{key!r} is empty")
 
 
@@ -160,7 +185,8 @@ class _Buffer:
 
     def __init__(self, f):
         self.f, self.text, self.pos, self.eof = f, "", 0, False
-        self.decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="surrogateescape")
+        self.dirty = False  # bytes that were not UTF-8 were read (decoded with surrogateescape)
+        self.decoder = codecs.getincrementaldecoder("utf-8-sig")()
 
     def more(self) -> bool:
         """Read more (at least as much as is held: an element longer than a read costs
@@ -168,9 +194,19 @@ class _Buffer:
         if self.eof:
             return False
         data = self.f.read(max(_CHUNK, len(self.text) - self.pos))
-        self.text, self.pos = self.text[self.pos:] + self.decoder.decode(data, final=not data), 0
+        self.text, self.pos = self.text[self.pos:] + self._decode(data), 0
         self.eof = not data
         return True
+
+    def _decode(self, data: bytes) -> str:
+        """``data`` decoded; strictly (fast) until a byte is not UTF-8, then with surrogateescape."""
+        state = self.decoder.getstate()
+        try:
+            return self.decoder.decode(data, final=not data)
+        except UnicodeDecodeError:
+            self.decoder.setstate(state)
+            self.decoder.errors, self.dirty = "surrogateescape", True
+            return self.decoder.decode(data, final=not data)
 
     def skip_space(self) -> str:
         """The next character that is not whitespace ("" at the end of the file)."""
@@ -181,9 +217,8 @@ class _Buffer:
                 return self.text[self.pos:self.pos + 1]
 
 
-def _elements(f) -> Iterator[object]:
+def _elements(buf: _Buffer) -> Iterator[object]:
     """The elements of a top-level JSON array, one at a time; a _Malformed ends them."""
-    buf = _Buffer(f)
     if buf.skip_space() != "[":
         yield _Malformed("not a JSON array", whole=True)
         return
