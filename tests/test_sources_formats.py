@@ -295,3 +295,17 @@ def test_hf_url_without_huggingface_hub_says_what_to_install(tmp_path):
                          timeout=60).stdout
     assert out.startswith("ConfigError hf://datasets/org/name: cannot open (") and \
         out.rstrip().endswith("; pip install huggingface_hub"), out
+
+
+def test_csv_rows_and_lines_are_exact_across_read_blocks(tmp_path):
+    # 1 MiB reads: quoted fields cross their edges; "\x0c" and "\u2028" are not line ends in CSV
+    texts = [f"{i} " + ("line\n" * (i % 7)) + "x" * (i * 9) + " \x0c \u2028 end" for i in range(700)]
+    path = write_csv(tmp_path / "big.csv", texts, lineterminator="\n")
+    data = path.read_bytes()
+    assert len(data) > 2 << 20
+    bad_at = data.index(b"699 ")  # the last row's text: a byte that is not UTF-8 in it
+    path.write_bytes(data[:bad_at] + b"\xff" + data[bad_at:])
+    got = list(read_documents(str(path), SourceConfig(on_error="skip")))
+    assert got[:-1] == texts[:-1]
+    line = 2 + sum(t.count("\n") + 1 for t in texts[:-1])  # the header, then each row's lines
+    assert (got[-1].where, got[-1].reason) == (f"row 700 (line {line})", "invalid_utf8")

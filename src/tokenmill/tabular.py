@@ -93,14 +93,32 @@ class _Lines:
         self.f, self.bad = f, []
 
     def __iter__(self) -> Iterator[str]:
-        for n, raw in enumerate(self.f, 1):
-            if n == 1:
-                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark (Excel writes one)
-            try:
-                yield raw.decode()
-            except UnicodeDecodeError:
-                self.bad.append(n)
-                yield raw.decode(errors="surrogateescape")
+        done, rest, first = 0, b"", True  # lines in earlier blocks; a block's unfinished line
+        while block := self.f.read(_CHUNK):
+            block, first = (rest + block).removeprefix(b"\xef\xbb\xbf" if first else b""), False
+            end = block.rfind(b"\n") + 1  # "\n" is never inside a UTF-8 sequence: cut there
+            block, rest = block[:end], block[end:]
+            yield from self._decoded(block, done)
+            done += block.count(b"\n")
+        yield from self._decoded(rest, done)
+
+    def _decoded(self, block: bytes, done: int) -> Iterator[str]:
+        """The lines of a block: one decode for the block, line by line if it fails. Split at
+        "\n" alone (not str.splitlines): csv ends a record where an unquoted line's str ends."""
+        try:
+            *lines, last = block.decode().split("\n")
+        except UnicodeDecodeError:
+            *raws, last_raw = block.split(b"\n")
+            for n, raw in enumerate([r + b"\n" for r in raws] + [last_raw] * bool(last_raw), done + 1):
+                try:
+                    yield raw.decode()
+                except UnicodeDecodeError:
+                    self.bad.append(n)
+                    yield raw.decode(errors="surrogateescape")
+            return
+        yield from (line + "\n" for line in lines)
+        if last:
+            yield last
 
 
 def _rows(rows, bad: list[int], shape: tuple[int, int], key: str,
