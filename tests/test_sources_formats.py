@@ -12,6 +12,7 @@ import sys
 import tracemalloc
 from pathlib import Path
 
+import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -259,7 +260,8 @@ def hub(tmp_path, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.syspath_prepend(str(site))
-    import fakehub  # noqa: F401  (registers "hf" in this process)
+    fakehub = importlib.import_module("fakehub")
+    fsspec.register_implementation("hf", fakehub.FakeHub, clobber=True)  # in this process
     yield env, texts
     importlib.import_module("fsspec.registry")._registry.pop("hf", None)  # the real one again
 
@@ -274,6 +276,12 @@ def test_hf_dataset_lists_its_data_files_by_split(hub, tmp_path):
     assert listing.ignored.summary() == "1 (no extension), 1 .md"  # .gitattributes, README.md
     assert list(read_documents("hf://datasets/org/corpus/", SourceConfig(split="validation"))) \
         == texts["validation"] == list(read_documents("hf://datasets/org/corpus/data/validation-*.parquet"))
+
+
+def test_hf_url_of_a_model_repo_says_how_datasets_are_named(hub):
+    with pytest.raises(InputError, match=r"hf://org/corpus: no file matched \(not found; a Hub "
+                                         r"dataset is hf://datasets/ORG/NAME\)"):
+        list_inputs("hf://org/corpus")
 
 
 def test_hf_dataset_prepared_through_the_cli(hub, tmp_path):

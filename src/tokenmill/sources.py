@@ -318,6 +318,8 @@ def _has_magic(pattern: str) -> bool:
 
 
 def _no_match_detail(pattern: str) -> str:
+    if pattern.startswith("hf://") and not pattern.startswith("hf://datasets/"):
+        return "not found; a Hub dataset is hf://datasets/ORG/NAME"
     if _has_magic(pattern):
         return "no supported file matches"
     return "no supported file inside" if os.path.isdir(pattern) else "not found, or no supported file inside"
