@@ -178,8 +178,9 @@ def test_dataset_dict_needs_split(tmp_path):
     manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
     assert manifest["settings"]["split"] == "validation"
     assert prepared(tmp_path / "dd" / "train", cwd=tmp_path) == train  # a split named: as before
-    assert list_inputs(str(tmp_path / "dd"), split="train").files == [
-        str(tmp_path / "dd" / "train" / "data-00000-of-00001.arrow")]
+    listing = list_inputs(str(tmp_path / "dd"), split="train")
+    assert listing.files == [str(tmp_path / "dd" / "train" / "data-00000-of-00001.arrow")]
+    assert not listing.ignored  # dataset_dict.json is the dataset's own, not an input passed over
     with pytest.raises(InputError, match="no split 'test'; its splits are train "
                                          r"\(1 file\), validation \(1 file\)"):
         list_inputs(str(tmp_path / "dd"), split="test")
@@ -317,3 +318,17 @@ def test_csv_rows_and_lines_are_exact_across_read_blocks(tmp_path):
     assert got[:-1] == texts[:-1]
     line = 2 + sum(t.count("\n") + 1 for t in texts[:-1])  # the header, then each row's lines
     assert (got[-1].where, got[-1].reason) == (f"row 700 (line {line})", "invalid_utf8")
+
+
+def test_csv_quoting_is_strict(tmp_path):
+    path = tmp_path / "q.csv"
+    path.write_text('text\nok\n"a"b\nfine\n"open\nto the end\n')
+    got = list(read_documents(str(path), SourceConfig(on_error="skip")))
+    assert [x if isinstance(x, str) else (x.where, x.reason, x.detail) for x in got] == [
+        "ok", ("row 2 (line 3)", "malformed_row",
+               "',' expected after '\"'; a quote inside a quoted field is written twice (\"\")"),
+        "fine", ("row 4 (line 5)", "malformed_row",
+                 "a quoted field is not closed before the end of the file")]
+    path.write_bytes(b"text\rone\rtwo\r")  # classic Mac line ends
+    assert [(x.where, x.reason) for x in read_documents(str(path), SourceConfig(on_error="skip"))] == [
+        ("file", "malformed_row")]

@@ -283,8 +283,12 @@ def _warn_if_long(path: str, config: SourceConfig) -> None:
 def _walkable(path: str) -> bool:
     """A file a directory walk takes: a supported type, loose .arrow files and the metadata
     files of datasets (dataset_info.json, …) excepted."""
-    return (format_or_none(path) not in (None, "arrow")
-            and path.rpartition("/")[2].rpartition(os.sep)[2] not in _METADATA)
+    return format_or_none(path) not in (None, "arrow") and not _metadata(path)
+
+
+def _metadata(path: str) -> bool:
+    """A file ``datasets`` writes beside data (never read, never counted as ignored)."""
+    return path.rpartition("/")[2].rpartition(os.sep)[2] in _METADATA
 
 
 # what ``datasets`` writes or ignores beside data (its FILES_TO_IGNORE), never taken by a walk
@@ -333,7 +337,8 @@ def _read_local(path: str) -> bytes:
 def _taken(paths: list[str], arrow_ok: bool, passed: list[str]) -> list[str]:
     """The paths a walk or glob takes; the others are added to ``passed``."""
     keep = [p for p in paths if _walkable(p) or (arrow_ok and format_or_none(p) == "arrow")]
-    passed += [p for p in paths if not (_walkable(p) or (arrow_ok and format_or_none(p) == "arrow"))]
+    passed += [p for p in paths if not (_walkable(p) or _metadata(p)
+                                        or (arrow_ok and format_or_none(p) == "arrow"))]
     return keep
 
 

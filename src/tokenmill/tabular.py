@@ -15,9 +15,11 @@ a row starts without reading from the top). The first row is the header; ``text_
 column (a missing column is a file-level problem naming the columns there are). Rows are numbered
 from 1 after the header, blank lines not counted (as pandas and pyarrow number them); a Skip's
 place is ``row N (line L)``, L the physical line where the row starts. Read with the ``csv``
-module (RFC 4180 quoting, ``""`` inside quotes; TSV the same with tabs), whose field size limit
-this module raises process-wide to 2 GiB (the default, 128 KiB, refuses long documents). Bytes
-that are not UTF-8 are reported per row (``invalid_utf8``), never for the whole file.
+module (RFC 4180 quoting, ``""`` inside quotes; TSV the same with tabs), strictly: a quoted field
+left open, or text after a closing quote, is a malformed row, never the rest of the file
+swallowed into one field. Its field size limit is raised process-wide to 2 GiB (the default,
+128 KiB, refuses long documents). Lines are decoded 1 MiB at a time; bytes that are not UTF-8 are
+reported per row (``invalid_utf8``), never for the whole file.
 
 Every reader takes a ``report(where, reason, detail)`` function and yields what it returns in the
 place of a bad record (a ``Skip``, or it raises); documents are ``records.Doc(text, line)``, line
@@ -73,8 +75,12 @@ def read_csv(path: str, fmt: str, config: SourceConfig, report: Report) -> Itera
             yield report("file", "binary_file", f"NUL byte at offset {head.index(0)}")
             return
         lines = _Lines(raw)
-        rows = csv.reader(lines, delimiter="\t" if fmt == "tsv" else ",")
-        header = next(rows, None)
+        rows = csv.reader(lines, delimiter="\t" if fmt == "tsv" else ",", strict=True)
+        try:
+            header = next(rows, None)
+        except csv.Error as e:
+            yield report("file", "malformed_row", f"the header: {_csv_problem(e)}")
+            return
         if not header:
             yield report("file", "empty_file", "no header row")
             return
@@ -94,7 +100,7 @@ class _Lines:
 
     def __iter__(self) -> Iterator[str]:
         done, rest, first = 0, b"", True  # lines in earlier blocks; a block's unfinished line
-        while block := self.f.read(_CHUNK):
+        while block := self.f.read(max(_CHUNK, len(rest))):  # a long line: O(n), not O(n²)
             block, first = (rest + block).removeprefix(b"\xef\xbb\xbf" if first else b""), False
             end = block.rfind(b"\n") + 1  # "\n" is never inside a UTF-8 sequence: cut there
             block, rest = block[:end], block[end:]
@@ -109,7 +115,8 @@ class _Lines:
             *lines, last = block.decode().split("\n")
         except UnicodeDecodeError:
             *raws, last_raw = block.split(b"\n")
-            for n, raw in enumerate([r + b"\n" for r in raws] + [last_raw] * bool(last_raw), done + 1):
+            raws = [r + b"\n" for r in raws] + [last_raw] * bool(last_raw)
+            for n, raw in enumerate(raws, done + 1):
                 try:
                     yield raw.decode()
                 except UnicodeDecodeError:
@@ -132,15 +139,16 @@ def _rows(rows, bad: list[int], shape: tuple[int, int], key: str,
             if not row:
                 yield report("file", "empty_file", "a header and no rows")
             return
-        except csv.Error as e:  # e.g. a quote left open at the end of the file
-            yield report(f"row {row + 1} (line {line + 1})", "malformed_row", str(e))
-            return
+        except csv.Error as e:  # the reader goes on at the next line
+            fields = e
         start, line = line + 1, rows.line_num
         if not fields:
             continue  # a blank line: trailing newlines are common
         row += 1
         where = f"row {row} (line {start})"
-        if len(fields) != width:
+        if isinstance(fields, csv.Error):
+            yield report(where, "malformed_row", _csv_problem(fields))
+        elif len(fields) != width:
             yield report(where, "malformed_row",
                          f"{len(fields)} fields, the header has {width}; is a field with a "
                          "delimiter or newline not quoted?")
@@ -165,6 +173,16 @@ def read_json_array(path: str, config: SourceConfig, report: Report) -> Iterator
                              value.detail)
                 return
             yield _element_doc(value, n, key, report, buf.dirty)
+
+
+def _csv_problem(e: csv.Error) -> str:
+    """What a csv.Error means, for a person."""
+    if "new-line character" in str(e):
+        return ("a carriage return (\\r) alone ends a line; save the file with \\n or \\r\\n "
+                "line ends")
+    if "unexpected end of data" in str(e):
+        return "a quoted field is not closed before the end of the file"
+    return f"{e}; a quote inside a quoted field is written twice (\"\")"
 
 
 def _not_utf8(text: str, key: str) -> str | None:
@@ -217,7 +235,7 @@ class _Buffer:
         return True
 
     def _decode(self, data: bytes) -> str:
-        """``data`` decoded; strictly (fast) until a byte is not UTF-8, then with surrogateescape."""
+        """``data`` decoded: strictly (fast) until a byte is not UTF-8, then surrogateescape."""
         state = self.decoder.getstate()
         try:
             return self.decoder.decode(data, final=not data)
