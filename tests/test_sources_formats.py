@@ -83,6 +83,13 @@ def test_json_lines_named_json_is_cut_in_ranges_and_prepared(tmp_path):
     assert prepared(path, "--workers", 2, cwd=tmp_path) == TEXTS
 
 
+def test_compressed_json_is_json_lines(tmp_path):
+    import gzip
+    path = tmp_path / "c4-train.00000-of-01024.json.gz"  # C4's names
+    path.write_bytes(gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in TEXTS).encode()))
+    assert prepared(path, cwd=tmp_path) == TEXTS
+
+
 def test_json_array_is_one_unit_read_element_by_element(tmp_path):
     path = tmp_path / "data.json"
     path.write_text(json.dumps([{"id": i, "text": t} for i, t in enumerate(TEXTS)], indent=2,

@@ -141,9 +141,9 @@ def add_prepare(sub) -> None:
     """``tokenmill prepare``."""
     pp = subcommand(sub, "prepare", run_prepare, "tokenize text files into a token store")
     pp.add_argument("inputs", nargs="+", metavar="INPUT",
-                    help="files, directories, globs or URLs (.txt .jsonl[.gz|.zst] .json .csv "
-                    ".tsv .parquet, Hugging Face datasets saved with save_to_disk, "
-                    "hf://datasets/ORG/NAME)")
+                    help="files, directories, globs or URLs (.txt .jsonl[.gz|.zst] "
+                    ".json[.gz|.zst] .csv .tsv .parquet, Hugging Face datasets saved with "
+                    "save_to_disk, hf://datasets/ORG/NAME)")
     pp.add_argument("--out", required=True, help="store directory to create (or resume)")
     pp.add_argument("--tokenizer", default="bytes",
                     help="'bytes' (default), a tokenizer.json, a .tiktoken file or a .model file")

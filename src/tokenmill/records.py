@@ -22,8 +22,10 @@ from tokenmill.errors import ConfigError, InputError
 REASONS = ("malformed_json", "missing_field", "non_string_field", "invalid_utf8", "empty_document",
            "empty_file", "no_match", "unreadable", "binary_file", "malformed_row")
 FORMATS = ("txt", "jsonl", "jsonl.gz", "jsonl.zst", "json", "csv", "tsv", "parquet", "arrow")
-EXTENSIONS = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".json", ".csv", ".tsv", ".txt", ".parquet",
-              ".arrow")  # longest first
+EXTENSIONS = (".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst", ".jsonl", ".json", ".csv", ".tsv",
+              ".txt", ".parquet", ".arrow")  # longest first
+# compressed .json is JSON Lines (C4's c4-train.00000-of-01024.json.gz): read as .jsonl.gz
+ALIASES = {"json.gz": "jsonl.gz", "json.zst": "jsonl.zst"}
 COMPRESSED = ("jsonl.gz", "jsonl.zst")  # streams: no seeking, so the parent reads their units
 LONG_DOCUMENT = 64 << 20  # a single document of more text than this gets a warning
 TXT_MODES = ("file", "lines", "paragraphs")
@@ -108,9 +110,11 @@ def web_path(path: str) -> str:
 
 def format_or_none(path: str) -> str | None:
     """The format of a file from its name, None if unsupported: format_or_none("a.TXT") == "txt";
-    an http(s) URL's query is not part of its name: format_or_none("http://h/a.txt?k=v") == "txt"."""
+    an http(s) URL's query is not part of its name: format_or_none("http://h/a.txt?k=v") == "txt";
+    a compressed .json is JSON Lines: format_or_none("c4-train.00000-of-01024.json.gz") == "jsonl.gz"."""
     name = web_path(path).lower()
-    return next((ext[1:] for ext in EXTENSIONS if name.endswith(ext)), None)
+    fmt = next((ext[1:] for ext in EXTENSIONS if name.endswith(ext)), None)
+    return ALIASES.get(fmt, fmt)
 
 
 def format_of(path: str) -> str:

@@ -2,7 +2,8 @@
 
 Formats, by extension: ``.txt`` (one document per file, per line or per paragraph, see
 ``SourceConfig.txt_mode``), ``.jsonl`` / ``.jsonl.gz`` / ``.jsonl.zst`` (one JSON object per line,
-text under ``text_key``), ``.json`` (JSON Lines, or one top-level array of objects), ``.csv`` /
+text under ``text_key``; ``.json.gz`` / ``.json.zst`` too), ``.json`` (JSON Lines, or one
+top-level array of objects), ``.csv`` /
 ``.tsv`` (a header row; column ``text_key``), ``.parquet`` (column ``text_key``) and ``.arrow`` (an
 Arrow IPC stream, column ``text_key``). Local paths are read with ``open``; anything containing
 ``://`` goes through fsspec (``tokenmill.io``) with ``storage_options``: ``hf://datasets/org/name``

@@ -74,8 +74,8 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
                                   storage_options=storage_options, split=config.split)
     files, list_skips = listing.files, listing.skips
     if listing.ignored:
-        report(f"note: {listing.ignored}; prepare reads .txt, .jsonl[.gz|.zst], .json, .csv, "
-               ".tsv, .parquet, .arrow", progress)
+        report(f"note: {listing.ignored}; prepare reads .txt, .jsonl[.gz|.zst], .json[.gz|.zst], "
+               ".csv, .tsv, .parquet, .arrow", progress)
     sizes = file_sizes(files, storage_options)
     settings = config.settings(inputs, files, sizes)
     key = {"settings": settings, "unit_bytes": config.unit_bytes,
