@@ -339,3 +339,11 @@ def test_csv_quoting_is_strict(tmp_path):
     path.write_bytes(b"text\rone\rtwo\r")  # classic Mac line ends
     assert [(x.where, x.reason) for x in read_documents(str(path), SourceConfig(on_error="skip"))] == [
         ("file", "malformed_row")]
+
+
+def test_hf_csv_and_json_array_read_through_fsspec(hub, tmp_path):
+    repo = tmp_path / "hub" / "datasets" / "org" / "tables"
+    repo.mkdir(parents=True)
+    write_csv(repo / "a.csv", TEXTS[:20])
+    (repo / "b.json").write_text(json.dumps([{"text": t} for t in TEXTS[20:]]))
+    assert list(read_documents("hf://datasets/org/tables")) == TEXTS

@@ -1,8 +1,9 @@
 """What the input modules share: how to read (``SourceConfig``), a piece of work (``Unit``), a
 record passed over (``Skip``) and how a problem becomes a ``Skip`` or an ``InputError``.
 
-``tokenmill.readers`` and ``tokenmill.columnar`` read formats; ``tokenmill.sources`` lists inputs
-and plans units. All three import this module; it imports only ``tokenmill.errors``.
+``tokenmill.readers``, ``tokenmill.columnar`` and ``tokenmill.tabular`` read formats;
+``tokenmill.sources`` lists inputs and plans units. They import this module; it imports only
+``tokenmill.errors``.
 
 Bad input. Each problem has a reason from REASONS. Under ``on_error="raise"`` it raises
 ``InputError`` naming the file and the 1-based line (or row); under ``"skip"`` a ``Skip`` takes

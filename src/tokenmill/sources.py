@@ -3,9 +3,8 @@
 Formats, by extension: ``.txt`` (one document per file, per line or per paragraph, see
 ``SourceConfig.txt_mode``), ``.jsonl`` / ``.jsonl.gz`` / ``.jsonl.zst`` (one JSON object per line,
 text under ``text_key``; ``.json.gz`` / ``.json.zst`` too), ``.json`` (JSON Lines, or one
-top-level array of objects), ``.csv`` /
-``.tsv`` (a header row; column ``text_key``), ``.parquet`` (column ``text_key``) and ``.arrow`` (an
-Arrow IPC stream, column ``text_key``). Local paths are read with ``open``; anything containing
+top-level array of objects), ``.csv`` / ``.tsv`` (a header row; column ``text_key``), ``.parquet``
+(column ``text_key``) and ``.arrow`` (an Arrow IPC stream, column ``text_key``). Local paths are read with ``open``; anything containing
 ``://`` goes through fsspec (``tokenmill.io``) with ``storage_options``: ``hf://datasets/org/name``
 through ``huggingface_hub``'s filesystem (a Hub dataset is a folder). The readers live in
 ``tokenmill.readers`` (text), ``tokenmill.columnar`` and ``tokenmill.tabular`` (CSV/TSV, .json);
@@ -27,9 +26,9 @@ that *start* inside it. A ``.jsonl.gz`` / ``.jsonl.zst`` is cut into ranges of a
 of decompressed text at line ends, by one pass over the stream; workers cannot seek in it, so the
 parent reads those units' bytes in order (``unit_payloads``) and ships them with the task
 (``read_unit(unit, config, payload)``). Parquet is cut by row groups, Arrow streams by record
-batches. A CSV/TSV and a ``.json`` array are one unit per file; a ``.json`` of JSON Lines is cut
-like a ``.jsonl``. A ``.txt`` in file mode is one unit (``stop=-1``: to the end); one of more than 64 MiB
-gets a warning (it becomes one document, tokenized whole).
+batches. A CSV/TSV and a ``.json`` array are one unit per file (``tokenmill.tabular``); a
+``.json`` of JSON Lines is cut like a ``.jsonl``. A ``.txt`` in file mode is one unit (``stop=-1``:
+to the end); one of more than 64 MiB gets a warning (it becomes one document, tokenized whole).
 
 Bad input: see ``tokenmill.records``. File-level problems (empty, binary, missing or non-string
 column) are reported once, by the unit that starts at 0; "unreadable" is reported by every unit
@@ -305,16 +304,16 @@ def _of_split(pattern: str, found: list[str], split: str | None, storage_options
         root = pattern.rstrip("/")
         if not all(f.startswith(root + "/") for f in found):
             return found  # a file (or a URL spelled otherwise than its listing)
-        relative, read = (lambda f: f[len(root) + 1:]), partial(read_bytes, storage_options=storage_options)
+        relative, names = (lambda f: f[len(root) + 1:]), f"{root}/{splits.DATASET_DICT}"
     elif os.path.isdir(pattern):
-        root, relative, read = pattern, partial(os.path.relpath, start=pattern), _read_local
+        relative = partial(os.path.relpath, start=pattern)
+        names = os.path.join(pattern, splits.DATASET_DICT)
     else:
         return found
     try:
-        data = read(os.path.join(root, splits.DATASET_DICT) if read is _read_local
-                    else f"{root}/{splits.DATASET_DICT}")
+        data = read_bytes(names, storage_options) if is_url(names) else _read_local(names)
     except (OSError, TokenmillError):
-        data = None
+        data = None  # no DatasetDict here
     return splits.choose(pattern, found, relative, split, splits.dict_splits(data))
 
 
