@@ -10,15 +10,19 @@ import os
 import subprocess
 import sys
 import tracemalloc
+from functools import partial
 from pathlib import Path
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from tokenmill import splits
+from tokenmill import splits, tabular
 from tokenmill.errors import InputError
+from tokenmill.records import Doc, problem
 from tokenmill.sources import SourceConfig, Skip, list_inputs, plan_units, read_documents, read_unit
 from tokenmill.store import TokenStore
 
@@ -347,3 +351,38 @@ def test_hf_csv_and_json_array_read_through_fsspec(hub, tmp_path):
     write_csv(repo / "a.csv", TEXTS[:20])
     (repo / "b.json").write_text(json.dumps([{"text": t} for t in TEXTS[20:]]))
     assert list(read_documents("hf://datasets/org/tables")) == TEXTS
+
+
+# ---- properties: any read size gives the same documents --------------------------------------
+
+ELEMENT = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False)
+                       | st.text(max_size=5), lambda inner: st.lists(inner, max_size=3), max_leaves=5)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(values=st.lists(st.one_of(st.text(min_size=1, max_size=8).map(lambda t: {"text": t}), ELEMENT),
+                       max_size=8),
+       indent=st.sampled_from([None, 0, 2]), bom=st.booleans(), chunk=st.sampled_from([1, 2, 3, 5, 64]))
+def test_json_array_reads_the_same_at_any_read_size(tmp_path, monkeypatch, values, indent, bom, chunk):
+    monkeypatch.setattr(tabular, "_CHUNK", chunk)
+    path = tmp_path / "a.json"
+    path.write_bytes(b"\xef\xbb\xbf" * bom + json.dumps(values, indent=indent).encode())
+    got = list(tabular.read_json_array(str(path), SourceConfig(), partial(problem, str(path), "skip")))
+    want = [Doc(v["text"], n) if isinstance(v, dict) else ("element", n)
+            for n, v in enumerate(values, 1)] or [("file", None)]  # [] is an empty file
+    assert [g if isinstance(g, Doc) else (g.where.split()[0], int(g.where.split()[1]))
+            if g.where != "file" else ("file", None) for g in got] == want
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(texts=st.lists(st.text(st.characters(blacklist_categories=["Cs"]), min_size=1, max_size=12),
+                      min_size=1, max_size=8),
+       delimiter=st.sampled_from([",", "\t"]), eol=st.sampled_from(["\n", "\r\n"]),
+       chunk=st.sampled_from([1, 2, 3, 5, 64]))
+def test_csv_reads_the_same_at_any_read_size(tmp_path, monkeypatch, texts, delimiter, eol, chunk):
+    monkeypatch.setattr(tabular, "_CHUNK", chunk)
+    texts = [t.replace("\r", "\n").replace("\0", " ") for t in texts]  # csv.writer writes "\r" bare
+    path = write_csv(tmp_path / "a.csv", texts, delimiter=delimiter, lineterminator=eol)
+    fmt = "tsv" if delimiter == "\t" else "csv"
+    got = list(tabular.read_csv(str(path), fmt, SourceConfig(), partial(problem, str(path), "skip")))
+    assert got == [Doc(t, n) for n, t in enumerate(texts, 1)]  # rows numbered after the header

@@ -44,6 +44,7 @@ _CHUNK = 1 << 20  # an array is read 1 MiB at a time (more while one element doe
 _SNIFF = 8192  # a NUL byte in the first 8 KiB marks a binary file
 _FIELD_LIMIT = (1 << 31) - 1  # csv's limit on one field, in characters
 _WS = " \t\r\n"  # JSON whitespace
+_NUMBER = "0123456789.eE+-"  # what may continue a JSON number
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of a bad byte
 
 
@@ -287,8 +288,10 @@ def _element(buf: _Buffer) -> object:
     while True:
         try:
             value, end = decode(buf.text, buf.pos)
-            # a number at the end of what was read may go on in the next read
-            if end < len(buf.text) or buf.eof or isinstance(value, (dict, list, str)):
+            # a number may go on in the next read ("0" of "0.5"): whole once a character that
+            # cannot continue it follows
+            if isinstance(value, (dict, list, str)) or buf.eof or (
+                    end < len(buf.text) and buf.text[end] not in _NUMBER):
                 buf.pos = end
                 return value
         except json.JSONDecodeError as e:
