@@ -514,12 +514,12 @@ def test_a_folder_input_says_which_files_it_ignored_by_extension(tmp_path):
     src.mkdir()
     (src / "a.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
     (src / "README.md").write_text("# notes\n")
-    (src / "data.csv").write_text("a,b\n")
-    (src / "extra.csv").write_text("c,d\n")
+    (src / "data.xml").write_text("<a/>\n")
+    (src / "extra.xml").write_text("<b/>\n")
     cli = Path(sys.executable).with_name("tokenmill")
     proc = subprocess.run([str(cli), "prepare", str(src), "--out", str(tmp_path / "out")],
                           capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr
-    assert "ignored 3 files: 2 .csv, 1 .md" in proc.stderr, proc.stderr
+    assert "ignored 3 files: 2 .xml, 1 .md" in proc.stderr, proc.stderr
     assert "done: 1 documents" in proc.stderr
     assert "Traceback" not in proc.stderr

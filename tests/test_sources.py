@@ -74,8 +74,8 @@ def test_format_of(name, fmt):
 
 
 def test_format_of_unknown_names_file_and_supported():
-    with pytest.raises(InputError, match=r"data/a\.csv: unsupported.*\.jsonl\.gz.*\.parquet"):
-        format_of("data/a.csv")
+    with pytest.raises(InputError, match=r"data/a\.xml: unsupported.*\.jsonl\.gz.*\.parquet"):
+        format_of("data/a.xml")
 
 
 @pytest.mark.parametrize("kw,shown", [({"txt_mode": "words"}, "'words'"), ({"on_error": "ignore"}, "'ignore'"),
@@ -224,7 +224,7 @@ def test_list_nothing_matched_is_always_an_error(tmp_path):
 
 def test_list_named_file_of_unknown_type(tmp_path):
     with pytest.raises(InputError, match="unsupported file type"):
-        list_files(write(tmp_path / "a.csv", "x"))
+        list_files(write(tmp_path / "a.xml", "x"))
 
 
 def test_file_urls(tree):
@@ -304,12 +304,15 @@ def test_prepare_reads_a_dataset(hf_dataset, tmp_path):
             list(DOCS[i].encode()) + [256] for i in (0, 1299, 1300, 2599)]
 
 
-def test_dataset_dict_lists_every_split(tmp_path):
+def test_dataset_dict_lists_the_split_asked_for(tmp_path):
     import datasets  # a dev dependency: missing means the install is broken, not a skip
     ds = datasets.Dataset.from_dict({"text": ["a", "b"]})
     datasets.DatasetDict({"train": ds, "test": ds}).save_to_disk(str(tmp_path / "dd"))
-    files, _ = list_files(str(tmp_path / "dd"))
-    assert files == [str(tmp_path / "dd" / s / "data-00000-of-00001.arrow") for s in ("test", "train")]
+    with pytest.raises(InputError, match=r"holds 2 splits \(test \(1 file\), train \(1 file\)\)"):
+        list_files(str(tmp_path / "dd"))  # both together would leak test data into training
+    for s in ("test", "train"):
+        files, _ = list_files(str(tmp_path / "dd"), split=s)
+        assert files == [str(tmp_path / "dd" / s / "data-00000-of-00001.arrow")]
     assert events(str(tmp_path / "dd" / "train")) == ["a", "b"]
 
 
@@ -637,7 +640,7 @@ def test_reasons_are_the_contract():
     """prepare, the CLI and the manifest count skips by these names: only add, never rename."""
     assert REASONS == ("malformed_json", "missing_field", "non_string_field", "invalid_utf8", "empty_document",
                        "empty_file", "no_match", "unreadable", "binary_file", "transform_error",
-                       "dropped_by_transform", "held_out")
+                       "dropped_by_transform", "held_out", "malformed_row")
 
 
 def test_paragraph_after_a_bom_only_first_line_is_kept_by_every_split(tmp_path):
@@ -778,28 +781,28 @@ def test_a_huge_txt_read_whole_warns_once_naming_file_and_size(tmp_path):
 
 def test_a_walk_says_what_it_ignored_by_extension(tree, hf_dataset, tmp_path):
     d = tree / "d"
-    for name in ("README.md", "data.csv", "data.json", "sub/x.jsonl.bz2", "Makefile", "loose.arrow"):
+    for name in ("README.md", "data.xml", "data.jsonx", "sub/x.jsonl.bz2", "Makefile", "loose.arrow"):
         write(d / name, "x")
     listing = sources.list_inputs(str(d))
     assert listing.files == list_files(str(d))[0] == [str(d / n) for n in ("b.jsonl", "c.jsonl.gz", "sub/a.txt")]
     assert listing.ignored.counts == ((".md", 2), ("(no extension)", 1), (".arrow", 1), (".bz2", 1),
-                                      (".csv", 1), (".json", 1))
+                                      (".jsonx", 1), (".xml", 1))
     assert str(listing.ignored).startswith("ignored 7 files: 2 .md, 1 (no extension), 1 .arrow, 1 .bz2, ")
-    assert listing.ignored.examples == tuple(sorted(str(d / n) for n in ("Makefile", "README.md", "data.csv")))
+    assert listing.ignored.examples == tuple(sorted(str(d / n) for n in ("Makefile", "README.md", "data.jsonx")))
     assert sources.list_inputs(f"file://{d}").ignored.counts == listing.ignored.counts
-    glob = sources.list_inputs(f"{d}/*.json*")  # the glob matched data.json: passed over too
-    assert str(glob.ignored) == f"ignored 1 file: 1 .json (e.g. {d}/data.json)"
+    glob = sources.list_inputs(f"{d}/*.json*")  # the glob matched data.jsonx: passed over too
+    assert str(glob.ignored) == f"ignored 1 file: 1 .jsonx (e.g. {d}/data.jsonx)"
     assert not sources.list_inputs(str(hf_dataset)).ignored  # a dataset's own files are not "ignored"
     assert not sources.list_inputs(str(d / "b.jsonl")).ignored and str(sources.Ignored()) == "ignored 0 files"
 
 
 def test_nothing_readable_in_a_folder_says_what_was_there(tmp_path):
     write(tmp_path / "README.md", "x")
-    write(tmp_path / "data.csv", "x")
+    write(tmp_path / "data.xml", "x")
     with pytest.raises(InputError, match=r"no file matched \(no supported file inside; found only "
-                                         r"1 \.csv, 1 \.md\); check the path"):
+                                         r"1 \.md, 1 \.xml\); check the path"):
         list_files(str(tmp_path))
-    with pytest.raises(InputError, match=r"no input file matched: .*; ignored 2 files: 1 \.csv, 1 \.md"):
+    with pytest.raises(InputError, match=r"no input file matched: .*; ignored 2 files: 1 \.md, 1 \.xml"):
         list_files(str(tmp_path), on_error="skip")
 
 

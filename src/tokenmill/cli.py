@@ -141,8 +141,9 @@ def add_prepare(sub) -> None:
     """``tokenmill prepare``."""
     pp = subcommand(sub, "prepare", run_prepare, "tokenize text files into a token store")
     pp.add_argument("inputs", nargs="+", metavar="INPUT",
-                    help="files, directories, globs or URLs (.txt .jsonl[.gz|.zst] .parquet, "
-                    "Hugging Face datasets saved with save_to_disk)")
+                    help="files, directories, globs or URLs (.txt .jsonl[.gz|.zst] "
+                    ".json[.gz|.zst] .csv .tsv .parquet, Hugging Face datasets saved with "
+                    "save_to_disk, hf://datasets/ORG/NAME)")
     pp.add_argument("--out", required=True, help="store directory to create (or resume)")
     pp.add_argument("--tokenizer", default="bytes",
                     help="'bytes' (default), a tokenizer file (tokenizer.json, .tiktoken, "
@@ -152,7 +153,10 @@ def add_prepare(sub) -> None:
                     help="worker processes (default auto: in this process when the tokenizer engine "
                          "uses every core itself (fastokens), else one per core)")
     pp.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default 2^26)")
-    pp.add_argument("--text-key", default="text", help="JSONL field / parquet column (default text)")
+    pp.add_argument("--text-key", default="text",
+                    help="JSON field / CSV, TSV or parquet column (default text)")
+    pp.add_argument("--split", default=None, metavar="NAME", help="the split to take from a "
+                    "folder holding several (a DatasetDict, a Hub dataset): required there")
     pp.add_argument("--txt-mode", choices=["file", "lines", "paragraphs"], default="file",
                     help="one document per .txt file (default), per line, or per paragraph")
     pp.add_argument("--on-error", choices=["raise", "skip"], default="raise",
@@ -292,7 +296,8 @@ def run_prepare(args) -> int:
     from tokenmill.prepare import prepare
     options = dict(text_key=args.text_key, txt_mode=args.txt_mode, on_error=args.on_error,
                    add_eos=not args.no_eos, add_bos=args.bos, eos=args.eos_token,
-                   tokenizer_engine="hf" if args.no_fast_tokenizer else args.tokenizer_engine)
+                   tokenizer_engine="hf" if args.no_fast_tokenizer else args.tokenizer_engine,
+                   split=args.split)
     if args.shard_tokens is not None:
         options["shard_tokens"] = args.shard_tokens
     if args.transform is not None:

@@ -54,8 +54,9 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None):
         import fsspec.core
         return fsspec.core.url_to_fs(os.fspath(url), **(storage_options or {}))
     except ImportError as e:
-        raise ConfigError(f"{redact(os.fspath(url))}: cannot open ({e}); install the fsspec "
-                          "backend it names (for s3://: pip install 'tokenmill[s3]')") from e
+        hint = ("pip install huggingface_hub" if os.fspath(url).startswith("hf://")
+                else "install the fsspec backend it names (for s3://: pip install 'tokenmill[s3]')")
+        raise ConfigError(f"{redact(os.fspath(url))}: cannot open ({e}); {hint}") from e
 
 
 @contextlib.contextmanager

@@ -2,8 +2,9 @@
 document and where it starts (``Doc``), a record passed over (``Skip``) and how a problem becomes
 a ``Skip`` or an ``InputError``.
 
-``tokenmill.readers`` and ``tokenmill.columnar`` read formats; ``tokenmill.sources`` lists inputs
-and plans units. All three import this module; it imports only ``tokenmill.errors``.
+``tokenmill.readers``, ``tokenmill.columnar`` and ``tokenmill.tabular`` read formats;
+``tokenmill.sources`` lists inputs and plans units. They import this module; it imports only
+``tokenmill.errors``.
 
 Bad input. Each problem has a reason from REASONS. Under ``on_error="raise"`` it raises
 ``InputError`` naming the file and the 1-based line (or row); under ``"skip"`` a ``Skip`` takes
@@ -38,10 +39,13 @@ from tokenmill.errors import ConfigError, InputError
 
 REASONS = ("malformed_json", "missing_field", "non_string_field", "invalid_utf8", "empty_document",
            "empty_file", "no_match", "unreadable", "binary_file", "transform_error",
-           "dropped_by_transform", "held_out")
+           "dropped_by_transform", "held_out", "malformed_row")
 COUNTED_ONLY = ("held_out",)  # reasons counted without examples: not a problem with the input
-FORMATS = ("txt", "jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow")
-EXTENSIONS = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".txt", ".parquet", ".arrow")  # longest first
+FORMATS = ("txt", "jsonl", "jsonl.gz", "jsonl.zst", "json", "csv", "tsv", "parquet", "arrow")
+EXTENSIONS = (".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst", ".jsonl", ".json", ".csv", ".tsv",
+              ".txt", ".parquet", ".arrow")  # longest first
+# compressed .json is JSON Lines (C4's c4-train.00000-of-01024.json.gz): read as .jsonl.gz
+ALIASES = {"json.gz": "jsonl.gz", "json.zst": "jsonl.zst"}
 COMPRESSED = ("jsonl.gz", "jsonl.zst")  # streams: no seeking, so the parent reads their units
 LONG_DOCUMENT = 64 << 20  # a single document of more text than this gets a warning
 TXT_MODES = ("file", "lines", "paragraphs")
@@ -52,9 +56,16 @@ _WHAT = {"malformed_json": "malformed JSON", "missing_field": "missing field",
          "no_match": "no file matched", "unreadable": "cannot read file",
          "binary_file": "binary file, not text", "transform_error": "the transform failed",
          "dropped_by_transform": "dropped by the transform",
-         "held_out": "held out for the other side of the split"}
+         "held_out": "held out for the other side of the split", "malformed_row": "malformed row"}
 _FILE_HINT = {"no_match": "check the path or pattern", "unreadable": "check that it exists and is readable",
               "missing_field": "choose the column with --text-key"}
+
+
+class Doc(NamedTuple):
+    """A document and the 1-based line (or row, or array element) where it starts in its file."""
+
+    text: str
+    line: int
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,7 @@ class SourceConfig:
     unit_bytes: int = 16 << 20
     storage_options: Mapping[str, Any] | None = None
     records: bool = False  # yield whole records (``Record``), not text_key: for a transform
+    split: str | None = None  # of a folder holding several splits (tokenmill.splits)
 
     def __post_init__(self):
         if not isinstance(self.text_key, str) or not self.text_key:
@@ -79,6 +91,8 @@ class SourceConfig:
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise ConfigError(f"storage_options must be a mapping or None "
                               f"(got storage_options={self.storage_options!r})")
+        if self.split is not None and (not isinstance(self.split, str) or not self.split):
+            raise ConfigError(f"split must be a non-empty string or None (got split={self.split!r})")
 
 
 @dataclass(frozen=True)
@@ -117,13 +131,13 @@ def unit_lines_relative(unit: Unit) -> bool:
     unit_lines_relative(Unit("a.jsonl", 5, 10)) is True
     """
     return (unit.start > 0 and unit.line is None
-            and format_or_none(unit.path) in ("jsonl", "txt", *COMPRESSED))
+            and format_or_none(unit.path) in ("jsonl", "json", "txt", *COMPRESSED))
 
 
 @dataclass(frozen=True)
 class Skip:
-    """Something passed over: where is "line 12", "row 5 (row group 0)", "row 5 (record batch 0)"
-    or "file" (lines and rows 1-based)."""
+    """Something passed over: where is "line 12", "row 5 (row group 0)", "row 5 (record batch 0)",
+    "row 5 (line 7)" (CSV/TSV), "element 3" (a JSON array) or "file" (all 1-based)."""
 
     path: str
     where: str
@@ -155,9 +169,11 @@ def web_path(path: str) -> str:
 
 def format_or_none(path: str) -> str | None:
     """The format of a file from its name, None if unsupported: format_or_none("a.TXT") == "txt";
-    an http(s) URL's query is not part of its name: format_or_none("http://h/a.txt?k=v") == "txt"."""
+    an http(s) URL's query is not part of its name: format_or_none("http://h/a.txt?k=v") == "txt";
+    a compressed .json is JSON Lines: format_or_none("c4-train.00000-of-01024.json.gz") == "jsonl.gz"."""
     name = web_path(path).lower()
-    return next((ext[1:] for ext in EXTENSIONS if name.endswith(ext)), None)
+    fmt = next((ext[1:] for ext in EXTENSIONS if name.endswith(ext)), None)
+    return ALIASES.get(fmt, fmt)
 
 
 def format_of(path: str) -> str:
@@ -195,8 +211,8 @@ def problem(path: str, on_error: str, where: str, reason: str, detail: str) -> S
         return Skip(path, where, reason, detail)
     if where.startswith("line "):
         place, hint = f"{path}:{where[5:]}", "fix the line"
-    elif where.startswith("row "):
-        place, hint = f"{path}, {where}", "fix the row"
+    elif where.startswith(("row ", "element ")):
+        place, hint = f"{path}, {where}", f"fix the {where.split()[0]}"
     else:
         place, hint = path, _FILE_HINT.get(reason, "fix or remove the file") + ","
     raise InputError(f"{place}: {_WHAT[reason]} ({detail}); {hint} or pass --on-error skip",

@@ -2,18 +2,23 @@
 
 Formats, by extension: ``.txt`` (one document per file, per line or per paragraph, see
 ``SourceConfig.txt_mode``), ``.jsonl`` / ``.jsonl.gz`` / ``.jsonl.zst`` (one JSON object per line,
-text under ``text_key``), ``.parquet`` (column ``text_key``) and ``.arrow`` (an Arrow IPC stream,
-column ``text_key``). Local paths are read with ``open``; anything containing ``://`` goes through
-fsspec (``tokenmill.io``) with ``storage_options``. The readers live in ``tokenmill.readers``
-(text) and ``tokenmill.columnar``; the shared types in ``tokenmill.records``.
+text under ``text_key``; ``.json.gz`` / ``.json.zst`` too), ``.json`` (JSON Lines, or one
+top-level array of objects), ``.csv`` / ``.tsv`` (a header row; column ``text_key``), ``.parquet``
+(column ``text_key``) and ``.arrow`` (an Arrow IPC stream, column ``text_key``). Local paths are read with ``open``; anything containing
+``://`` goes through fsspec (``tokenmill.io``) with ``storage_options``: ``hf://datasets/org/name``
+through ``huggingface_hub``'s filesystem (a Hub dataset is a folder). The readers live in
+``tokenmill.readers`` (text), ``tokenmill.columnar`` and ``tokenmill.tabular`` (CSV/TSV, .json);
+the shared types in ``tokenmill.records``.
 
 Hugging Face datasets. A directory holding a ``state.json`` with ``_data_files`` (what
 ``Dataset.save_to_disk`` writes) is a dataset: listing gives its ``data-*.arrow`` files, as
 ``state.json`` names them, and never descends into it for other files (``cache-*.arrow`` files
 there are not part of it). A walk or glob takes no other ``.arrow`` file, unless the pattern itself
-ends in ``.arrow``; a file named explicitly is always taken. A ``DatasetDict`` directory holds one
-dataset per split, so every split is listed: name ``dir/train`` for one. What a walk or glob
-passes over (unsupported types, loose ``.arrow`` files) is counted by extension: ``Ignored``.
+ends in ``.arrow``, and no metadata ``.json`` (``dataset_info.json``, …); a file named explicitly is
+always taken. A folder holding several splits (a ``DatasetDict``: one dataset per split; a Hub
+dataset's ``data/train-*.parquet``, ``data/validation-*``) needs ``split`` (``--split``), or a
+split named as ``dir/train``: see ``tokenmill.splits``. What a walk or glob passes over
+(unsupported types, loose ``.arrow`` files) is counted by extension: ``Ignored``.
 
 Work units (see ``tokenmill.readers`` for the byte-range rules). A plain ``.jsonl``, or a ``.txt``
 in lines/paragraphs mode, is cut into byte ranges of about ``unit_bytes``; a range owns the records
@@ -21,8 +26,9 @@ that *start* inside it. A ``.jsonl.gz`` / ``.jsonl.zst`` is cut into ranges of a
 of decompressed text at line ends, by one pass over the stream; workers cannot seek in it, so the
 parent reads those units' bytes in order (``unit_payloads``) and ships them with the task
 (``read_unit(unit, config, payload)``). Parquet is cut by row groups, Arrow streams by record
-batches. A ``.txt`` in file mode is one unit (``stop=-1``: to the end); one of more than 64 MiB
-gets a warning (it becomes one document, tokenized whole).
+batches. A CSV/TSV and a ``.json`` array are one unit per file (``tokenmill.tabular``); a
+``.json`` of JSON Lines is cut like a ``.jsonl``. A ``.txt`` in file mode is one unit (``stop=-1``:
+to the end); one of more than 64 MiB gets a warning (it becomes one document, tokenized whole).
 
 Bad input: see ``tokenmill.records``. File-level problems (empty, binary, missing or non-string
 column) are reported once, by the unit that starts at 0; "unreadable" is reported by every unit
@@ -44,10 +50,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
 
-from tokenmill import columnar, readers
+from tokenmill import columnar, readers, splits, tabular
 from tokenmill.decompress import StreamPayloads
-from tokenmill.errors import InputError
-from tokenmill.io import file_size, filesystem, is_url
+from tokenmill.errors import ConfigError, InputError, TokenmillError
+from tokenmill.io import file_size, filesystem, is_url, read_bytes
 from tokenmill.records import (COMPRESSED, EXTENSIONS, FORMATS, LONG_DOCUMENT, REASONS, Doc,
                                LineCount, Skip, SourceConfig, Unit, check_policy, describe,
                                format_of, format_or_none, io_errors, problem, web_path)
@@ -109,15 +115,18 @@ class Listing(NamedTuple):
 
 
 def list_inputs(inputs: str | os.PathLike | Sequence[str | os.PathLike], *, on_error: str = "raise",
-                storage_options: Mapping[str, Any] | None = None) -> Listing:
-    """Expand files, directories (recursively), globs and URLs into a Listing."""
+                storage_options: Mapping[str, Any] | None = None, split: str | None = None) -> Listing:
+    """Expand files, directories (recursively), globs and URLs into a Listing; a directory
+    holding several splits gives those of ``split`` (required then, see tokenmill.splits)."""
     check_policy(on_error)
+    SourceConfig(split=split)  # checks it
     patterns = [os.fspath(inputs)] if isinstance(inputs, (str, os.PathLike)) else list(map(os.fspath, inputs))
     files, skips, passed = set(), [], []
     for pattern in patterns:
         before = len(passed)
         found = (_expand_url(pattern, storage_options, passed) if is_url(pattern)
                  else _expand_local(pattern, passed))
+        found = _of_split(pattern, found, split, storage_options)
         if not found:
             here = Ignored.of(passed[before:])
             detail = _no_match_detail(pattern) + (f"; found only {here.summary()}" if here else "")
@@ -132,9 +141,10 @@ def list_inputs(inputs: str | os.PathLike | Sequence[str | os.PathLike], *, on_e
 
 
 def list_files(inputs: str | os.PathLike | Sequence[str | os.PathLike], *, on_error: str = "raise",
-               storage_options: Mapping[str, Any] | None = None) -> tuple[list[str], list[Skip]]:
+               storage_options: Mapping[str, Any] | None = None,
+               split: str | None = None) -> tuple[list[str], list[Skip]]:
     """(files, skips) of list_inputs: what to read, without the passed-over files."""
-    listing = list_inputs(inputs, on_error=on_error, storage_options=storage_options)
+    listing = list_inputs(inputs, on_error=on_error, storage_options=storage_options, split=split)
     return listing.files, listing.skips
 
 
@@ -173,14 +183,24 @@ def read_unit(unit: Unit, config: SourceConfig, payload: bytes | None = None,
     try:
         if fmt in _COLUMNAR:
             docs = _COLUMNAR[fmt][1](unit.path, unit.start, unit.stop, config, report)
-        else:
-            docs = readers.read_text(unit, fmt, config, report, payload, count)
+        elif fmt in tabular.FORMATS and _whole_record_file(unit, fmt, config):
+            docs = (tabular.read_csv(unit.path, fmt, config, report) if fmt != "json"
+                    else tabular.read_json_array(unit.path, config, report))
+        else:  # a .json that is not an array is JSON Lines
+            docs = readers.read_text(unit, "jsonl" if fmt == "json" else fmt, config, report,
+                                     payload, count)
         if fmt == "txt" and config.txt_mode == "file":
             yield from docs  # a whole file is one document: warned about when planned
         else:
             yield from _warn_long_documents(unit.path, docs)
     except io_errors() as e:
         yield report("file", "unreadable", describe(e))
+
+
+def _whole_record_file(unit: Unit, fmt: str, config: SourceConfig) -> bool:
+    """A CSV/TSV, or a .json array: read whole by tabular (JSON Lines are planned in ranges)."""
+    return fmt != "json" or (unit.stop < 0 and tabular.json_layout(unit.path, config.storage_options)
+                             == "array")
 
 
 def _warn_long_documents(path: str, docs: Iterator[Doc | Skip]) -> Iterator[Doc | Skip]:
@@ -202,7 +222,8 @@ def read_documents(inputs: str | os.PathLike | Sequence[str | os.PathLike],
                    config: SourceConfig | None = None) -> Iterator[str | Skip]:
     """Every document of the inputs, in order: list_files, plan_units and read_unit chained."""
     config = config or SourceConfig()
-    files, skips = list_files(inputs, on_error=config.on_error, storage_options=config.storage_options)
+    files, skips = list_files(inputs, on_error=config.on_error, storage_options=config.storage_options,
+                              split=config.split)
     yield from skips
     units = plan_units(files, config)
     for unit, payload in zip(units, unit_payloads(units, 0, config)):
@@ -235,7 +256,8 @@ def _plan_file(path: str, fmt: str, config: SourceConfig) -> list[Unit]:
     if fmt == "txt" and config.txt_mode == "file":
         _warn_if_long(path, config)
         return [Unit(path, 0, -1)]
-    plan = _COLUMNAR[fmt][0] if fmt in _COLUMNAR else readers.plan_ranges
+    plan = (_COLUMNAR[fmt][0] if fmt in _COLUMNAR else partial(tabular.plan, fmt=fmt)
+            if fmt in tabular.FORMATS else readers.plan_ranges)
     try:
         return [Unit(path, start, stop) for start, stop in plan(path, config)]
     except io_errors() as e:  # under "skip", read_unit meets the error again and reports it
@@ -260,8 +282,40 @@ def _warn_if_long(path: str, config: SourceConfig) -> None:
 # ---- listing ---------------------------------------------------------------------------------
 
 def _walkable(path: str) -> bool:
-    """A file a directory walk takes: a supported type, loose .arrow files excepted."""
-    return format_or_none(path) not in (None, "arrow")
+    """A file a directory walk takes: a supported type, loose .arrow files and the metadata
+    files of datasets (dataset_info.json, …) excepted."""
+    return format_or_none(path) not in (None, "arrow") and not _metadata(path)
+
+
+def _metadata(path: str) -> bool:
+    """A file ``datasets`` writes beside data (never read, never counted as ignored)."""
+    return path.rpartition("/")[2].rpartition(os.sep)[2] in _METADATA
+
+
+# what ``datasets`` writes or ignores beside data (its FILES_TO_IGNORE), never taken by a walk
+_METADATA = {"config.json", "dataset_info.json", "dataset_infos.json", splits.DATASET_DICT,
+             DATASET_STATE}
+
+
+def _of_split(pattern: str, found: list[str], split: str | None, storage_options) -> list[str]:
+    """The files ``found`` for a directory ``pattern``, narrowed to its split (tokenmill.splits)."""
+    if _has_magic(web_path(pattern)) or not found:
+        return found
+    if is_url(pattern):
+        root = pattern.rstrip("/")
+        if not all(f.startswith(root + "/") for f in found):
+            return found  # a file (or a URL spelled otherwise than its listing)
+        relative, names = (lambda f: f[len(root) + 1:]), f"{root}/{splits.DATASET_DICT}"
+    elif os.path.isdir(pattern):
+        relative = partial(os.path.relpath, start=pattern)
+        names = os.path.join(pattern, splits.DATASET_DICT)
+    else:
+        return found
+    try:
+        data = read_bytes(names, storage_options) if is_url(names) else _read_local(names)
+    except (OSError, TokenmillError):
+        data = None  # no DatasetDict here
+    return splits.choose(pattern, found, relative, split, splits.dict_splits(data))
 
 
 def _has_magic(pattern: str) -> bool:
@@ -269,6 +323,8 @@ def _has_magic(pattern: str) -> bool:
 
 
 def _no_match_detail(pattern: str) -> str:
+    if pattern.startswith("hf://") and not pattern.startswith("hf://datasets/"):
+        return "not found; a Hub dataset is hf://datasets/ORG/NAME"
     if _has_magic(pattern):
         return "no supported file matches"
     return "no supported file inside" if os.path.isdir(pattern) else "not found, or no supported file inside"
@@ -282,7 +338,8 @@ def _read_local(path: str) -> bytes:
 def _taken(paths: list[str], arrow_ok: bool, passed: list[str]) -> list[str]:
     """The paths a walk or glob takes; the others are added to ``passed``."""
     keep = [p for p in paths if _walkable(p) or (arrow_ok and format_or_none(p) == "arrow")]
-    passed += [p for p in paths if not (_walkable(p) or (arrow_ok and format_or_none(p) == "arrow"))]
+    passed += [p for p in paths if not (_walkable(p) or _metadata(p)
+                                        or (arrow_ok and format_or_none(p) == "arrow"))]
     return keep
 
 
@@ -360,6 +417,8 @@ def _expand_url(url: str, storage_options, passed: list[str]) -> list[str]:
                 found += _taken([path], arrow_ok, skipped)
         passed += [fs.unstrip_protocol(p) for p in skipped]
         return [fs.unstrip_protocol(p) for p in found]
+    except ConfigError:
+        raise  # a missing fsspec backend: its message says what to install
     except (OSError, ValueError, ImportError) as e:
         if _unreachable(e):
             raise InputError(f"{url}: cannot reach its host ({describe(_root_cause(e))}); check the "

@@ -76,11 +76,11 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
         raise ConfigError(f"add_bos=True but tokenizer {config.tokenizer!r} has no BOS token; "
                           "pass bos='…'")
     listing = sources.list_inputs(inputs, on_error=config.on_error,
-                                  storage_options=storage_options)
+                                  storage_options=storage_options, split=config.split)
     files, list_skips = listing.files, listing.skips
     if listing.ignored:
-        report(f"note: {listing.ignored}; prepare reads .txt, .jsonl[.gz|.zst], .parquet, "
-               ".arrow", progress)
+        report(f"note: {listing.ignored}; prepare reads .txt, .jsonl[.gz|.zst], .json[.gz|.zst], "
+               ".csv, .tsv, .parquet, .arrow", progress)
     sizes = file_sizes(files, storage_options)
     settings = config.settings(inputs, files, sizes)
     if "spec" in tok.identity():  # a name: a resume must find the very same file behind it

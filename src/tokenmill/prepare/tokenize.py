@@ -55,6 +55,7 @@ class PrepareConfig:
     unit_bytes: int = 4 << 20  # 4 MiB units: small enough that 2 workers end together
     transform: str | None = None  # "module:qualname" of fn(record) -> str | None
     holdout: tuple[str, float] | None = None  # ("val", 0.01): keep that side of a split
+    split: str | None = None  # the split of a folder holding several (tokenmill.splits)
 
     def __post_init__(self):
         for name in ("shard_tokens", "unit_bytes"):
@@ -69,7 +70,7 @@ class PrepareConfig:
         """The part of the config the readers need."""
         return sources.SourceConfig(text_key=self.text_key, txt_mode=self.txt_mode,
                                     on_error=self.on_error, unit_bytes=self.unit_bytes,
-                                    storage_options=storage_options,
+                                    storage_options=storage_options, split=self.split,
                                     records=self.transform is not None)
 
     def settings(self, inputs: Sequence[str], files: Sequence[str], sizes: dict[str, int]) -> dict:
@@ -78,7 +79,7 @@ class PrepareConfig:
         s = asdict(self)
         s.pop("tokenizer_engine")  # every engine gives identical ids (proven at load time)
         s.pop("unit_bytes")  # how work is split never changes the bytes (the resume key has it)
-        for name in ("transform", "holdout"):  # absent when unset: older stores stay the same
+        for name in ("transform", "holdout", "split"):  # absent when unset: older stores stay the same
             if s[name] is None:
                 s.pop(name)
         if self.transform is not None:

@@ -147,7 +147,7 @@ def plan_stream(inputs: str | os.PathLike | Sequence, config: PrepareConfig, tok
         inputs = [inputs]
     inputs = [os.fspath(i) for i in inputs]
     files, list_skips = sources.list_files(inputs, on_error=config.on_error,
-                                           storage_options=storage_options)
+                                           storage_options=storage_options, split=config.split)
     sizes = file_sizes(files, storage_options)  # as prepare records them: the same settings
     mtimes = modification_times(files, storage_options)
     settings = config.settings(inputs, files, sizes)
