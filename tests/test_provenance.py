@@ -4,6 +4,7 @@ its input, tokenizing it again and comparing with the row's tokens at the piece'
 
 from __future__ import annotations
 
+import csv
 import gzip
 import json
 import os
@@ -52,6 +53,14 @@ def write_inputs(d: Path) -> None:
         f.writelines(json.dumps({"text": text_of(i, "g")}) + "\n" for i in range(120))
     lines = [text_of(i, "l") if i % 19 != 2 else "" for i in range(150)]
     (d / "lines.txt").write_text("\r\n".join(lines) + "\r\n")
+    (d / "e.json").write_text("".join(  # JSON Lines named .json: cut in byte ranges too
+        ("{bad\n" if i % 29 == 5 else json.dumps({"text": text_of(i, "e")}) + "\n")
+        for i in range(140)))
+    with open(d / "f.csv", "w", newline="") as f:  # rows, one with a quoted newline
+        w = csv.writer(f)
+        w.writerow(["id", "text"])
+        w.writerows((i, text_of(i, "c") + ("\nsecond line" if i % 9 == 4 else ""))
+                    for i in range(80))
 
 
 def write_paragraphs(d: Path) -> None:
@@ -93,8 +102,11 @@ def document(file: str, line: int, txt_mode: str) -> str:
         return pq.read_table(file).column("text")[line - 1].as_py()
     if file.endswith(".jsonl.gz"):
         return json.loads(gzip.open(file, "rt").read().split("\n")[line - 1])["text"]
-    if file.endswith(".jsonl"):
+    if file.endswith((".jsonl", ".json")):
         return json.loads(Path(file).read_text().split("\n")[line - 1])["text"]
+    if file.endswith(".csv"):
+        with open(file, newline="") as f:
+            return list(csv.DictReader(f))[line - 1]["text"]
     text = Path(file).read_bytes().decode()
     if txt_mode == "file":
         assert line == 1
@@ -120,7 +132,7 @@ def check_rows(store: Path, txt_mode: str, layout: str, steps=(0, 1, 5, 11)) -> 
                 got = []
                 for p in o.pieces:
                     assert p.file is not None and os.path.isabs(p.file), p
-                    kind = " row " if p.file.endswith(".parquet") else ":"
+                    kind = " row " if p.file.endswith((".parquet", ".csv")) else ":"
                     assert p.source == f"{p.file}{kind}{p.line}"
                     ids, _ = encode_documents(TOK, [document(p.file, p.line, txt_mode)])
                     got.append(ids[p.token_offset:p.token_offset + p.tokens])
@@ -134,7 +146,7 @@ def check_rows(store: Path, txt_mode: str, layout: str, steps=(0, 1, 5, 11)) -> 
 @pytest.mark.parametrize("layout", ["concat", "packed"])
 def test_every_piece_is_its_source_line_tokenized_again(stores, layout):
     named = check_rows(*stores["mixed"], layout, steps=range(0, 40, 3))
-    assert named == {"a.jsonl", "b.parquet", "c.jsonl.gz", "lines.txt"}
+    assert named == {"a.jsonl", "b.parquet", "c.jsonl.gz", "lines.txt", "e.json", "f.csv"}
     assert check_rows(*stores["paragraphs"], layout) == {"para.txt"}
     assert len(check_rows(*stores["files"], layout)) > 1
 

@@ -83,7 +83,7 @@ def test_json_lines_named_json_is_cut_in_ranges_and_prepared(tmp_path):
     config = SourceConfig(unit_bytes=256)
     units = plan_units([str(path)], config)
     assert len(units) > 5  # byte ranges, read in parallel like a .jsonl
-    assert [d for u in units for d in read_unit(u, config)] == TEXTS
+    assert [d.text for u in units for d in read_unit(u, config)] == TEXTS
     assert prepared(path, "--workers", 2, cwd=tmp_path) == TEXTS
 
 
