@@ -3,6 +3,7 @@
 Every store here uses the byte tokenizer, so a document decodes back to its exact text.
 """
 
+import csv
 import gzip
 import hashlib
 import json
@@ -317,3 +318,17 @@ def test_keep_side_partitions_texts_and_keeps_skips_in_place():
         want += ["malformed_json"] if i in (0, 5, 12) else []
         want += ([t] if i in val else ["h"]) if t is not None else []
     assert order == want
+
+
+def test_csv_rows_and_json_array_elements_reach_the_transform_whole(site):
+    rows = records(30)
+    (site / "t").mkdir()
+    with open(site / "t" / "a.csv", "w", newline="") as f:  # every column, as strings
+        w = csv.writer(f)
+        w.writerow(["q", "a"])
+        w.writerows((r["q"], r["a"]) for r in rows[:12])
+    (site / "t" / "b.json").write_text(json.dumps(rows[12:]))  # a top-level array
+    r = cli(site, "prepare", "t", "--out", "s", "--transform", "fmt:chat", "--workers", 2)
+    assert r.returncode == 0, r.stderr
+    csv_docs = ["<user> " + x["q"] + " <bot> " + x["a"] for x in rows[:12]]
+    assert texts_of(site / "s") == csv_docs + expected(rows[12:])
