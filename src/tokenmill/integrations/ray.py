@@ -144,8 +144,10 @@ def stage_unit(job: Job, u: int, unit: sources.Unit) -> Staged:
                       meta.get("digest"), np.asarray(meta["lines"], dtype=np.int64),
                       meta["newlines"])
     c = job.config
-    tok = config_tokenizer(c.tokenizer if c.tokenizer == "bytes" else job.local(c.tokenizer),
-                           c.tokenizer_engine, c.eos, c.bos)
+    # a file path is the driver's (relative to its folder); a name (cl100k_base, org/name) is not
+    spec = job.local(c.tokenizer)
+    spec = spec if c.tokenizer != "bytes" and os.path.exists(spec) else c.tokenizer
+    tok = config_tokenizer(spec, c.tokenizer_engine, c.eos, c.bos)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one task per core already
     res = tokenize_unit(replace(unit, path=job.local(unit.path)), c, job.storage_options, tok)
     skips = [(o, replace(s, path=unit.path)) for o, s in res.skips]  # named as the driver names it
