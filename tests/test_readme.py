@@ -33,3 +33,11 @@ def test_readme_example_runs_as_a_script(tmp_path):
     assert (tmp_path / "store" / "manifest.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
         "corpus.jsonl", "example.py", "store"]  # it wrote only what it says, where it runs
+
+
+def test_preparing_real_corpora_guide_runs_as_a_script(tmp_path):
+    """docs/preparing.md: tokenizers by name, .json/.csv, splits, a transform, a validation
+    split, explain and streaming mixtures — its python blocks run offline as one script."""
+    from conftest import run_guide
+    done = run_guide("preparing.md", tmp_path)
+    assert done.stdout.strip().endswith("ok")
