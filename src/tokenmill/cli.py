@@ -272,13 +272,13 @@ def add_explain(sub) -> None:
                     "where each row of a step came from: store, shard, document, token offset, "
                     "input file and line (or row)")
     pe.add_argument("stores", nargs="+", help="STORE, or NAME=STORE for named stores (in order)")
-    pe.add_argument("--step", type=int, required=True)
-    pe.add_argument("--seq-len", type=int, required=True)
-    pe.add_argument("--batch-size", type=int, required=True)
+    pe.add_argument("--step", type=int, required=True, help="the training step (0-based)")
+    pe.add_argument("--seq-len", type=int, required=True, help="as the training Loader has it")
+    pe.add_argument("--batch-size", type=int, required=True, help="per rank, as the Loader has it")
     pe.add_argument("--layout", choices=["concat", "packed"], default="concat")
-    pe.add_argument("--seed", type=int, default=0)
-    pe.add_argument("--rank", type=int, default=0)
-    pe.add_argument("--world-size", type=int, default=1)
+    pe.add_argument("--seed", type=int, default=0, help="the Loader's seed (default 0)")
+    pe.add_argument("--rank", type=int, default=0, help="the rank whose rows to explain")
+    pe.add_argument("--world-size", type=int, default=1, help="ranks in the job (default 1)")
     pe.add_argument("--mixture", default=None, help="named stores: the phases as JSON")
 
 
