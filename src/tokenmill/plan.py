@@ -71,6 +71,21 @@ class LayoutConfig:
                               f"(got max_segments={self.max_segments!r}, layout={self.layout!r})")
 
 
+def _distinct(values: np.ndarray) -> list[int]:
+    """The distinct values, ascending: ``np.unique`` without its first-call cost (it imports
+    numpy.ma, ~5 ms, which would be most of the time to a first batch).
+
+    _distinct(np.array([3, 1, 3])) == [1, 3]
+    """
+    if values.size == 0:
+        return []
+    lo, hi = values.min(), values.max()
+    if lo == hi:  # the usual case: one epoch, one store, one block
+        return [int(lo)]
+    s = np.sort(values, kind="stable")
+    return s[np.concatenate(([True], s[1:] != s[:-1]))].tolist()
+
+
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
@@ -155,7 +170,7 @@ class SampleSource:
             return ids
         epochs = sampler.epoch_of(draws, self.num_samples)
         out = np.empty_like(ids)
-        for e in np.unique(epochs).tolist():  # the window offset moves with the epoch
+        for e in _distinct(epochs):  # the window offset moves with the epoch
             sel = epochs == e
             offset = pack.concat_offset(self.config.seq_len, seed=self.config.seed, epoch=e)
             out[sel] = pack.concat_starts(ids[sel], seq_len=self.config.seq_len, offset=offset)
@@ -207,7 +222,7 @@ class SampleSource:
             return out
         at = np.zeros(len(lengths), np.int64)
         np.cumsum(lengths[:-1], out=at[1:])
-        for k in np.unique(shard).tolist():
+        for k in _distinct(shard):
             sel = np.flatnonzero(shard == k)  # the store maps shards on demand: one at a time
             out[sampler.ranges(at[sel], lengths[sel])] = \
                 self.store.shard(k)[sampler.ranges(local[sel], lengths[sel])]
@@ -423,7 +438,7 @@ class BatchPlan:
             lo = first - b * self.BLOCK
             return sid[lo:lo + len(positions)], addr[lo:lo + len(positions)]
         blocks = positions // self.BLOCK
-        parts = [self.resolve(positions[blocks == b]) for b in np.unique(blocks)]
+        parts = [self.resolve(positions[blocks == b]) for b in _distinct(blocks)]
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
@@ -436,7 +451,7 @@ class BatchPlan:
         else:
             sid, draws = sampler.assign_phased(self.schedule, pos)
         addr = np.empty(len(pos), np.int64)
-        for s in np.unique(sid).tolist():
+        for s in _distinct(sid):
             sel = sid == s
             addr[sel] = self.sources[s].addresses(draws[sel])
         with self._lock:
@@ -454,7 +469,7 @@ class BatchPlan:
                 rows = self._rows[len(positions)] = np.arange(len(positions))
             self.sources[0].fill(addr, rows, out)
             return
-        for s in np.unique(sid).tolist():
+        for s in _distinct(sid):
             rows = np.flatnonzero(sid == s)
             self.sources[s].fill(addr[rows], rows, out)
 
