@@ -381,6 +381,12 @@ class Loader:
         per_batch = sum(a.nbytes for a in self.plan.new_buffers(self.batch_size).values())
         return per_batch * ((self.prefetch if prefetch is None else prefetch) + 2)
 
+    def hand_out_views(self, view) -> None:
+        """From now on hand out ``view(array)`` for each batch array (made once per buffer, e.g.
+        ``torch.from_numpy``: no per-batch wrapping) instead of the array; a buffer is reused only
+        once nothing outside holds its view. ``to_torch`` on CPU sets it."""
+        self._ring.view = view
+
     def _ensure_pool(self):
         if self._pool is None:
             if self.worker_type == "thread":

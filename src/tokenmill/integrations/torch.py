@@ -4,7 +4,9 @@
     for batch in batches:                    # batch["inputs"]: torch.int32 (8, 2048) on cuda
         state = batches.state_dict()         # save this one, not the loader's: see below
 
-``to_torch`` on CPU wraps each numpy array with ``torch.from_numpy`` (no copy). On CUDA it keeps
+``to_torch`` on CPU hands out tensors that share the loader's batch buffers (``torch.from_numpy``,
+made once per buffer: no copy, no per-batch wrapping; the loader then hands out those tensors
+when iterated itself). On CUDA it keeps
 ``depth`` batches in flight: each is copied by the host into a pinned buffer of a small ring and
 sent by a non-blocking copy on a side stream, so batch k+1 crosses PCIe while step k runs. The
 compute stream waits on the copy's event (the host does not), ``record_stream`` keeps the caching
@@ -159,13 +161,15 @@ class TorchBatches(AheadOfLoader):
             yield arrays, self.loader.consumed_samples
 
     def _direct(self, token) -> Iterator[dict[str, torch.Tensor]]:
-        cpu = self.device.type == "cpu"
-        for arrays, consumed in self._numpy():
-            tensors = {k: torch.from_numpy(a) for k, a in arrays.items()}  # shares the memory
-            if not cpu:  # another accelerator (mps, xpu, …): a plain, blocking copy
-                tensors = {k: t.to(self.device) for k, t in tensors.items()}
-            if not self._hand_out(token, consumed):
+        loader = self.loader
+        if self.device.type == "cpu":  # the loader hands out its buffers' tensors, made once
+            loader.hand_out_views(torch.from_numpy)
+        for tensors in loader:
+            if self._iterating is not token:
                 return
+            if self.device.type != "cpu":  # another accelerator (mps, xpu, …): a blocking copy
+                tensors = {k: torch.from_numpy(a).to(self.device) for k, a in tensors.items()}
+            self._consumed = loader.consumed_samples
             yield tensors
 
     def _pipelined(self, token) -> Iterator[dict[str, torch.Tensor]]:
