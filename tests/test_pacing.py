@@ -1,5 +1,7 @@
 """The default Loader's pacing: inline while cheap, ahead while measured costly; same batches."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -53,6 +55,31 @@ def test_costly_but_hidden_by_a_long_step_stays_inline():
     assert p.mode == "inline"
 
 
+def test_the_measured_hand_off_cost_decides():
+    slow, fast = Pacer(), Pacer()
+    slow.measured(2e-3, "test")  # a 2 ms hand-off: a 1 ms batch is not worth handing over
+    fast.measured(50e-6, "test")
+    for p in (slow, fast):
+        for _ in range(10):
+            p.observe(assemble_s=1e-3, step_s=0.02)
+    assert slow.mode == "inline" and fast.mode == "ahead" and "50 µs hand-off" in fast.reason
+    assert slow.stats()["handoff_us"] == 2000.0 and slow.stats()["handoff"] == "measured: test"
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
+def test_the_default_measures_the_hand_off_once_after_the_first_batch(store):
+    with Loader(store, seq_len=L, batch_size=4) as ld:
+        assert ld.stats()["handoff"] == "assumed"  # nothing started before the first batch
+        it = iter(ld)
+        next(it)
+        next(it)
+        s = ld.stats()
+        assert s["handoff"].startswith("measured: median of 7 round trips") and s["handoff_us"] > 0
+        assert s["handoff_us"] == round(pacing.handoff_cost(None, "thread") * 1e6, 1)  # cached
+    with ThreadPoolExecutor(1) as pool:
+        assert 0 < pacing.round_trip_s(pool.submit, 3) < 1.0
+
+
 @pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
 def test_default_switching_modes_mid_run_gives_the_same_batches_and_resumes(store, monkeypatch):
     with Loader(store, seq_len=L, batch_size=4, num_workers=0) as ref:
@@ -67,13 +94,16 @@ def test_default_switching_modes_mid_run_gives_the_same_batches_and_resumes(stor
                 ld.pacer.mode = "inline"
             got.append({n: a.copy() for n, a in next(it).items()})
         assert same(got, want) and ld.consumed_samples == 240
-    monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)  # every batch "costly": goes ahead at once
+    # every batch "costly": goes ahead at once
+    monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
+    monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind: -1.0)
     assert_resumes_exactly(lambda: Loader(store, seq_len=L, batch_size=4), steps=12)
 
 
 @pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
 def test_the_meter_and_stats_say_which_mode_and_why(store, monkeypatch):
     monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
+    monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind: -1.0)
     monkeypatch.setattr(pacing, "WAIT_FRACTION", 0.0)
     with Loader(store, seq_len=L, batch_size=4) as ld:
         meter = Meter(ld)
@@ -91,6 +121,7 @@ def test_the_meter_and_stats_say_which_mode_and_why(store, monkeypatch):
 @pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
 def test_default_with_process_workers_goes_ahead_with_the_same_batches(store, monkeypatch):
     monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
+    monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind: -1.0)
     monkeypatch.setattr(pacing, "WAIT_FRACTION", 0.0)
     with Loader(store, seq_len=L, batch_size=4, num_workers=0) as ref:
         want = take(ref, 30)

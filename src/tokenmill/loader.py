@@ -25,6 +25,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from tokenmill import pacing
 from tokenmill.errors import ConfigError, StaleIterator
 from tokenmill.mixture import described_phases
 from tokenmill.pacing import Pacer
@@ -145,7 +146,8 @@ class Loader:
         self.cache_dir = None if opts.cache_dir is None else str(opts.cache_dir)
         self.num_workers = _resolve_workers(num_workers)
         # "auto": inline or one worker ahead, decided by measured times (pacing.Pacer)
-        self.pacer = Pacer() if num_workers == "auto" and self.num_workers else None
+        self.pacer = Pacer(handoff_s=pacing.HANDOFF_S) if num_workers == "auto" and \
+            self.num_workers else None
         self.prefetch = _resolve_prefetch(opts.prefetch, self.num_workers)
         self.plan = BatchPlan.open(source, self.config, dtype=opts.dtype, cache_dir=self.cache_dir,
                                    mixture=opts.mixture)
@@ -311,9 +313,19 @@ class Loader:
                     self._tune(clock() - t0, clock())
                 handed = clock()
                 yield batch
-                self.pacer.observe(assemble_s=took, step_s=clock() - handed)
+                resumed = clock()
+                if self.pacer.handoff == "assumed" and self.worker_type == "thread":
+                    self._measure_handoff()  # once, after the first batch: not in its latency
+                self.pacer.observe(assemble_s=took, step_s=resumed - handed)
         finally:
             self._cancel(ahead)
+
+    def _measure_handoff(self) -> None:
+        """Tell the pacer what a hand-off to the worker thread costs here (round trips of an
+        empty task, measured once per process: pacing.handoff_cost)."""
+        cost = pacing.handoff_cost(self._ensure_pool().submit, "thread")
+        self.pacer.measured(cost, f"median of {pacing.HANDOFF_ROUNDS} round trips to the worker "
+                                  "thread, once per process")
 
     def _cancel(self, ahead: deque) -> None:
         for fut, bufs in ahead:  # prefetched, never handed out: not consumed
