@@ -96,14 +96,14 @@ def test_default_switching_modes_mid_run_gives_the_same_batches_and_resumes(stor
         assert same(got, want) and ld.consumed_samples == 240
     # every batch "costly": goes ahead at once
     monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
-    monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind: -1.0)
+    monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind="thread": -1.0)
     assert_resumes_exactly(lambda: Loader(store, seq_len=L, batch_size=4), steps=12)
 
 
 @pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
 def test_the_meter_and_stats_say_which_mode_and_why(store, monkeypatch):
     monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
-    monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind: -1.0)
+    monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind="thread": -1.0)
     monkeypatch.setattr(pacing, "WAIT_FRACTION", 0.0)
     with Loader(store, seq_len=L, batch_size=4) as ld:
         meter = Meter(ld)
@@ -121,7 +121,7 @@ def test_the_meter_and_stats_say_which_mode_and_why(store, monkeypatch):
 @pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
 def test_default_with_process_workers_goes_ahead_with_the_same_batches(store, monkeypatch):
     monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
-    monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind: -1.0)
+    monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind="thread": -1.0)
     monkeypatch.setattr(pacing, "WAIT_FRACTION", 0.0)
     with Loader(store, seq_len=L, batch_size=4, num_workers=0) as ref:
         want = take(ref, 30)

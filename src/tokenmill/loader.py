@@ -315,17 +315,12 @@ class Loader:
                 yield batch
                 resumed = clock()
                 if self.pacer.handoff == "assumed" and self.worker_type == "thread":
-                    self._measure_handoff()  # once, after the first batch: not in its latency
+                    # once, after the first batch (not in its latency): pacing.handoff_cost
+                    self.pacer.measured(pacing.handoff_cost(self._ensure_pool().submit),
+                                        pacing.HANDOFF_HOW)
                 self.pacer.observe(assemble_s=took, step_s=resumed - handed)
         finally:
             self._cancel(ahead)
-
-    def _measure_handoff(self) -> None:
-        """Tell the pacer what a hand-off to the worker thread costs here (round trips of an
-        empty task, measured once per process: pacing.handoff_cost)."""
-        cost = pacing.handoff_cost(self._ensure_pool().submit, "thread")
-        self.pacer.measured(cost, f"median of {pacing.HANDOFF_ROUNDS} round trips to the worker "
-                                  "thread, once per process")
 
     def _cancel(self, ahead: deque) -> None:
         for fut, bufs in ahead:  # prefetched, never handed out: not consumed

@@ -24,11 +24,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["GO_AHEAD", "GO_INLINE", "HANDOFF_ROUNDS", "HANDOFF_S", "Pacer", "WAIT_FRACTION",
+__all__ = ["GO_AHEAD", "GO_INLINE", "HANDOFF_HOW", "HANDOFF_ROUNDS", "HANDOFF_S", "Pacer", "WAIT_FRACTION",
            "handoff_cost", "round_trip_s"]
 
 HANDOFF_S = 150e-6  # assumed hand-off cost until measured (issue 16's VM)
 HANDOFF_ROUNDS = 7  # round trips measured (after one that starts the worker): their median
+HANDOFF_HOW = f"median of {HANDOFF_ROUNDS} round trips to the worker thread, once per process"
 WAIT_FRACTION = 0.01  # inline assembly above 1% of a step shows as data wait
 GO_AHEAD = 3  # costly batches in a row before moving ahead (cold pages show at once)
 GO_INLINE = 50  # cheap batches in a row before coming back inline (no flapping)
