@@ -22,7 +22,7 @@ PACKAGE = SRC / "tokenmill"
 LAYERS: list[tuple[str, ...]] = [
     ("tokenmill.errors",),
     ("tokenmill.io", "tokenmill.procs", "tokenmill.child", "tokenmill.metrics", "tokenmill.sampler",
-     "tokenmill.pacing", "tokenmill.ring", "tokenmill.watch",
+     "tokenmill.pacing", "tokenmill.ring", "tokenmill.watch", "tokenmill.options",
      "tokenmill.segments"),
     ("tokenmill.records", "tokenmill.readers", "tokenmill.columnar", "tokenmill.decompress", "tokenmill.sources", "tokenmill.fastbpe",
      "tokenmill.tokenizer", "tokenmill.pack", "tokenmill.rows", "tokenmill.attention",

@@ -407,11 +407,15 @@ class BatchPlan:
 
     def fill(self, positions: np.ndarray, out: dict[str, np.ndarray]) -> None:
         """Fill ``out`` with the samples at global ``positions`` (one per row)."""
-        sid, addr = self.resolve(positions)
+        self.fill_resolved(self.resolve(positions), out)
+
+    def fill_resolved(self, resolved: tuple[np.ndarray, np.ndarray], out: dict) -> None:
+        """Fill ``out`` with the samples at the (store id, address) pairs ``resolve`` gave."""
+        sid, addr = resolved
         if self.schedule is None:
-            rows = self._rows.get(len(positions))
+            rows = self._rows.get(len(addr))
             if rows is None:
-                rows = self._rows[len(positions)] = np.arange(len(positions))
+                rows = self._rows[len(addr)] = np.arange(len(addr))
             self.sources[0].fill(addr, rows, out)
             return
         for s in distinct(sid):

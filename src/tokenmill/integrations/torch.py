@@ -36,6 +36,7 @@ Packed batches (``layout="packed"``) in each attention kernel's form, built by t
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -168,7 +169,10 @@ class TorchBatches(AheadOfLoader):
             if self._iterating is not token:
                 return
             if self.device.type != "cpu":  # another accelerator (mps, xpu, …): a blocking copy
+                t0 = time.perf_counter()
                 tensors = {k: torch.from_numpy(a).to(self.device) for k, a in tensors.items()}
+                if self._spans is not None:
+                    self._spans("device copy", t0, time.perf_counter())
             self._consumed = loader.consumed_samples
             yield tensors
 
@@ -178,7 +182,10 @@ class TorchBatches(AheadOfLoader):
         while True:
             while len(ahead) < self.depth and (item := next(source, None)) is not None:
                 arrays, consumed = item
+                t0 = time.perf_counter()
                 ahead.append((self._send(ops, arrays, issued), consumed))
+                if self._spans is not None:  # the host's part: pinned copy, copy issued
+                    self._spans("device copy", t0, time.perf_counter())
                 issued += 1
                 del arrays, item  # the loader may reuse its buffer once the host copy is done
             if not ahead:
