@@ -66,6 +66,27 @@ def test_the_measured_hand_off_cost_decides():
     assert slow.stats()["handoff_us"] == 2000.0 and slow.stats()["handoff"] == "measured: test"
 
 
+def test_waits_ahead_that_cost_more_than_assembling_inline_bring_it_back_and_raise_the_cost():
+    p = Pacer()
+    p.measured(20e-6, "round trips")  # an idle round trip: far below the real cost
+    for _ in range(pacing.GO_AHEAD + 1):
+        p.observe(assemble_s=60e-6, step_s=0.002)
+    assert p.mode == "ahead"
+    for k in range(pacing.AHEAD_TRIAL):  # the worker contends with the step: 0.4 ms waits
+        switched = p.observe(assemble_s=60e-6, step_s=0.002, wait_s=400e-6)
+    assert switched and p.mode == "inline" and "400 µs a batch ahead" in p.reason
+    assert p.stats()["handoff_us"] == 400.0 and "while ahead" in p.stats()["handoff"]
+    for _ in range(100):  # the same batches no longer go ahead
+        p.observe(assemble_s=60e-6, step_s=0.002)
+    assert p.mode == "inline"
+    for _ in range(pacing.GO_AHEAD + 1):  # cold pages: ms a batch still go ahead
+        p.observe(assemble_s=3e-3, step_s=0.02)
+    assert p.mode == "ahead"
+    for _ in range(3 * pacing.AHEAD_TRIAL):  # and stay there while the waits are small
+        p.observe(assemble_s=3e-3, step_s=0.02, wait_s=50e-6)
+    assert p.mode == "ahead"
+
+
 @pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
 def test_the_default_measures_the_hand_off_once_after_the_first_batch(store):
     with Loader(store, seq_len=L, batch_size=4) as ld:
@@ -97,6 +118,7 @@ def test_default_switching_modes_mid_run_gives_the_same_batches_and_resumes(stor
     # every batch "costly": goes ahead at once
     monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
     monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind="thread": -1.0)
+    monkeypatch.setattr(pacing, "AHEAD_TRIAL", 10**9)  # and stays there, whatever the waits
     assert_resumes_exactly(lambda: Loader(store, seq_len=L, batch_size=4), steps=12)
 
 
@@ -104,6 +126,7 @@ def test_default_switching_modes_mid_run_gives_the_same_batches_and_resumes(stor
 def test_the_meter_and_stats_say_which_mode_and_why(store, monkeypatch):
     monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
     monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind="thread": -1.0)
+    monkeypatch.setattr(pacing, "AHEAD_TRIAL", 10**9)  # and stays there, whatever the waits
     monkeypatch.setattr(pacing, "WAIT_FRACTION", 0.0)
     with Loader(store, seq_len=L, batch_size=4) as ld:
         meter = Meter(ld)
@@ -122,6 +145,7 @@ def test_the_meter_and_stats_say_which_mode_and_why(store, monkeypatch):
 def test_default_with_process_workers_goes_ahead_with_the_same_batches(store, monkeypatch):
     monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
     monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind="thread": -1.0)
+    monkeypatch.setattr(pacing, "AHEAD_TRIAL", 10**9)  # and stays there, whatever the waits
     monkeypatch.setattr(pacing, "WAIT_FRACTION", 0.0)
     with Loader(store, seq_len=L, batch_size=4, num_workers=0) as ref:
         want = take(ref, 30)

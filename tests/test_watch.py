@@ -111,6 +111,7 @@ def test_the_trace_has_the_loaders_stages_nested_in_each_steps_data_wait(tmp_pat
     store = write_positional_store(tmp_path / "s", [40] * 200, shard_tokens=1000)
     if ahead:  # every batch "costly": the default hands them to its worker thread
         monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind="thread": -1.0)
+        monkeypatch.setattr(pacing, "AHEAD_TRIAL", 10**9)  # and stays there, whatever the waits
         monkeypatch.setattr(pacing, "WAIT_FRACTION", 0.0)
     loader = Loader(store, seq_len=16, batch_size=4, **({} if ahead else {"num_workers": 0}))
     with Watch(loader, every=10, trace=tmp_path / "t-{rank}.json", log=None) as w:

@@ -260,11 +260,12 @@ class Loader:
                     ahead.append((self._ensure_pool().submit(self._timed_fill,
                                                              self.positions(nxt), bufs), bufs))
                     nxt, n_left = nxt + gb, None if n_left is None else n_left - 1
-                t0 = clock()
+                t0, waited = clock(), None
                 if ahead:
                     fut, bufs = ahead.popleft()
                     self._ready = sum(f.done() for f, _ in ahead) + fut.done()
                     took = self._waited(fut)
+                    waited = clock() - t0
                 elif n_left is None or n_left > 0:
                     bufs = self._ring.take()
                     took = self._timed_fill(self.positions(nxt), bufs)
@@ -281,7 +282,7 @@ class Loader:
                     # once, after the first batch (not in its latency): pacing.handoff_cost
                     self.pacer.measured(pacing.handoff_cost(self._ensure_pool().submit),
                                         pacing.HANDOFF_HOW)
-                self.pacer.observe(assemble_s=took, step_s=resumed - handed)
+                self.pacer.observe(assemble_s=took, step_s=resumed - handed, wait_s=waited)
         finally:
             self._cancel(ahead)
 

@@ -6,7 +6,10 @@ Loader measures it once per process at run time, ``handoff_cost``), while a warm
 more than the hand-off *and* waiting for it inline would show in the step (cold pages, remote
 shards, packed rows with many segments, a short step). So the Pacer starts inline, and from
 measured times (assembly of each batch, the consumer's time between batches) moves ahead after a
-few costly batches with a step to hide them behind and back inline after a long cheap window; ``reason`` says why, in numbers::
+few costly batches with a step to hide them behind and back inline after a long cheap window, or
+as soon as the consumer's waits for batches from the worker cost more than assembling inline did
+(the worker contends with the step for the GIL: a hand-off can cost far more than an idle round
+trip, and that wait is then the hand-off cost the Pacer goes by); ``reason`` says why, in numbers::
 
     pacer = Pacer()
     pacer.observe(assemble_s=0.004, step_s=0.020)   # ... after GO_AHEAD such steps:
@@ -24,7 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["GO_AHEAD", "GO_INLINE", "HANDOFF_HOW", "HANDOFF_ROUNDS", "HANDOFF_S", "Pacer", "WAIT_FRACTION",
+__all__ = ["AHEAD_TRIAL", "GO_AHEAD", "GO_INLINE", "HANDOFF_HOW", "HANDOFF_ROUNDS", "HANDOFF_S", "Pacer", "WAIT_FRACTION",
            "handoff_cost", "round_trip_s"]
 
 HANDOFF_S = 150e-6  # assumed hand-off cost until measured (issue 16's VM)
@@ -33,6 +36,7 @@ HANDOFF_HOW = f"median of {HANDOFF_ROUNDS} round trips to the worker thread, onc
 WAIT_FRACTION = 0.01  # inline assembly above 1% of a step shows as data wait
 GO_AHEAD = 3  # costly batches in a row before moving ahead (cold pages show at once)
 GO_INLINE = 50  # cheap batches in a row before coming back inline (no flapping)
+AHEAD_TRIAL = 8  # batches ahead before their waits are compared with assembling inline
 
 _measured: dict[str, float] = {}  # worker kind -> seconds, measured once per process
 
@@ -73,31 +77,50 @@ class Pacer:
     step_s: float = 0.0
     handoff_s: float = HANDOFF_S  # what a hand-off costs a batch: assumed until ``measured``
     handoff: str = "assumed"
+    inline_s: float = 0.0  # mean assembly inline when it last went ahead
+    wait_s: float = 0.0  # mean wait for a batch from the worker, while ahead
     seen: int = field(default=0, repr=False)
+    ahead_seen: int = field(default=0, repr=False)
 
     def measured(self, handoff_s: float, how: str) -> None:
         """Use a hand-off cost measured at run time (``how`` says how) from now on."""
         self.handoff_s, self.handoff = handoff_s, f"measured: {how}"
 
-    def observe(self, *, assemble_s: float, step_s: float) -> bool:
-        """Record one batch (its assembly, the consumer's time since the last); True on a switch."""
+    def observe(self, *, assemble_s: float, step_s: float, wait_s: float | None = None) -> bool:
+        """Record one batch (its assembly, the consumer's time since the last, and — ahead — the
+        time the consumer waited for it); True on a switch."""
         self.seen += 1
         if self.seen == 1:  # the first batch maps shards and builds caches: not typical
             self.assemble_s, self.step_s = assemble_s, step_s
             return False
         self.assemble_s += (assemble_s - self.assemble_s) / 8
         self.step_s += (step_s - self.step_s) / 8
-        # ahead hides at most the step: with no step to hide behind (a loop that only draws
-        # batches) a hand-off is pure cost
-        costly = min(assemble_s, step_s) > self.handoff_s and \
-            assemble_s > WAIT_FRACTION * (assemble_s + step_s)
         if self.mode == "inline":
+            # ahead hides at most the step: with no step to hide behind (a loop that only draws
+            # batches) a hand-off is pure cost
+            costly = min(assemble_s, step_s) > self.handoff_s and \
+                assemble_s > WAIT_FRACTION * (assemble_s + step_s)
             self.streak = self.streak + 1 if costly else 0
             if self.streak >= GO_AHEAD:
+                self.inline_s, self.ahead_seen = self.assemble_s, 0
                 return self._switch("ahead", f"assembling took {assemble_s * 1e3:.2f} ms a "
                                     f"batch inline ({self._share(assemble_s):.1%} of a step), "
                                     f"more than a {self.handoff_s * 1e6:.0f} µs hand-off")
             return False
+        return self._ahead(wait_s)
+
+    def _ahead(self, wait_s: float | None) -> bool:
+        if wait_s is not None:  # the hand-off's real cost here: what the consumer waits for
+            self.ahead_seen += 1
+            self.wait_s = wait_s if self.ahead_seen == 1 else \
+                self.wait_s + (wait_s - self.wait_s) / 8
+            if self.ahead_seen >= AHEAD_TRIAL and self.wait_s > max(self.inline_s,
+                                                                    self.handoff_s):
+                self.handoff_s, self.handoff = self.wait_s, ("measured: the wait for a batch "
+                                                             "from the worker while ahead")
+                return self._switch("inline", f"waiting for the worker took "
+                                    f"{self.wait_s * 1e6:.0f} µs a batch ahead, more than "
+                                    f"assembling inline ({self.inline_s * 1e6:.0f} µs)")
         cheap = self.assemble_s < self.handoff_s / 2
         self.streak = self.streak + 1 if cheap else 0
         if self.streak >= GO_INLINE:
@@ -119,4 +142,5 @@ class Pacer:
         return {"mode": self.mode, "why": self.reason, "switches": self.switches,
                 "assemble_ms": round(self.assemble_s * 1e3, 4),
                 "step_ms": round(self.step_s * 1e3, 4),
-                "handoff_us": round(self.handoff_s * 1e6, 1), "handoff": self.handoff}
+                "handoff_us": round(self.handoff_s * 1e6, 1), "handoff": self.handoff,
+                "ahead_wait_ms": round(self.wait_s * 1e3, 4)}
