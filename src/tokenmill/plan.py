@@ -33,7 +33,7 @@ from tokenmill import pack, sampler
 from tokenmill.errors import ConfigError, StoreError
 from tokenmill.io import FileId, file_id, redact
 from tokenmill.mixture import Mixture, mixture_of
-from tokenmill.rows import SLICE_SEGMENTS, RowFiller, distinct
+from tokenmill.rows import RowFiller, distinct
 from tokenmill.store.format import MANIFEST, read_manifest
 from tokenmill.store.reader import TokenStore
 
@@ -166,10 +166,7 @@ class SampleSource:
         if self.packed is None:
             self.rows.windows(addrs, rows, out)
             return
-        ptr = self.packed.row_ptr
-        if int(ptr[addrs + 1].sum() - ptr[addrs].sum()) <= SLICE_SEGMENTS:
-            self.rows.packed(self.packed, addrs, rows, out)  # the usual case: ~1.1 segments a row
-        else:
+        if not self.rows.packed(self.packed, addrs, rows, out):  # few segments: the usual case
             pack.fill_packed_rows(self.packed, addrs, self.store.tokens, out, rows,
                                   gather=self.rows.gather)
 

@@ -87,33 +87,39 @@ class RowFiller:
         out["inputs"][dest] = buf[:, :-1]
         out["targets"][dest] = buf[:, 1:]
 
-    def packed(self, layout, addrs: np.ndarray, rows: np.ndarray, out: dict) -> None:
+    def packed(self, layout, addrs: np.ndarray, rows: np.ndarray, out: dict) -> bool:
         """Packed rows ``addrs`` of ``layout`` (a ``pack.PackedLayout``) into batch rows ``rows``
-        by slice copies; the same bytes as ``pack.fill_packed_rows``: padding 0, segment ids
-        from 1, positions from 0 in each segment, loss_mask 0 on a segment's last token and on
-        padding."""
-        buf = self.scratch(len(addrs), out["inputs"].dtype)
-        ptr, capacity = layout.row_ptr, self.seq_len + 1
+        by slice copies, if they hold at most SLICE_SEGMENTS segments (else False: nothing
+        written); the same bytes as ``pack.fill_packed_rows``: padding 0, segment ids from 1,
+        positions from 0 in each segment, loss_mask 0 on a segment's last token and on padding."""
+        seg = layout.row_ptr[addrs]  # each row's first segment
+        first, last = seg.tolist(), layout.row_ptr[addrs + 1].tolist()
+        if sum(last) - sum(first) > SLICE_SEGMENTS:
+            return False
+        buf = self.scratch(len(addrs), self.dtype)  # the store's: cast once, in _inputs_targets
+        heads, sizes = layout.seg_start[seg].tolist(), layout.seg_len[seg].tolist()
+        capacity, copy = self.seq_len + 1, self.copy
         odd = []  # rows that are not one segment filling the row: their metadata differs
-        for i, r in enumerate(addrs.tolist()):
-            a, b = int(ptr[r]), int(ptr[r + 1])
+        for i, (a, b) in enumerate(zip(first, last)):
+            if b - a == 1 and sizes[i] == capacity:  # the usual row: one piece of a document
+                copy(heads[i], buf[i])
+                continue
             lengths = layout.seg_len[a:b].tolist()
             at = 0
             for s, n in zip(layout.seg_start[a:b].tolist(), lengths):
-                self.copy(s, buf[i, at:at + n])
+                copy(s, buf[i, at:at + n])
                 at += n
             buf[i, at:] = 0
-            if len(lengths) != 1 or at != capacity:
-                odd.append((int(rows[i]), lengths))
+            odd.append((int(rows[i]), lengths))
         self._inputs_targets(buf, rows, out)
-        if "segment_ids" not in out:
-            return
-        dest = as_slice(rows)
-        out["segment_ids"][dest] = 1  # one segment filling the row: the common case
-        out["positions"][dest] = self.ramp[:-1]
-        out["loss_mask"][dest] = 1
-        for dst, lengths in odd:
-            self._metadata(out, dst, lengths)
+        if "segment_ids" in out:
+            dest = as_slice(rows)
+            out["segment_ids"][dest] = 1  # one segment filling the row: the common case
+            out["positions"][dest] = self.ramp[:-1]
+            out["loss_mask"][dest] = 1
+            for dst, lengths in odd:
+                self._metadata(out, dst, lengths)
+        return True
 
     def _metadata(self, out: dict, dst: int, lengths: list[int]) -> None:
         L, at = self.seq_len, 0
