@@ -137,3 +137,17 @@ def test_packed_rows_by_slices_equal_the_index_gather_path(tmp_path, dtype):
             assert np.array_equal(got[k], want[k]), (first, k)
     assert compared > 50 and src.packed.most_segments > 1 and src.packed.padding_fraction > 0
     plan.close()
+
+
+def test_asking_the_kernel_for_pages_first_changes_no_byte(tmp_path):
+    # after a slow batch (pages read from disk) windows madvise(WILLNEED) their pages first
+    path = write_positional_store(tmp_path / "s", np.full(300, 50), shard_tokens=2_000)
+    a = BatchPlan.open(path, LayoutConfig(seq_len=64))
+    b = BatchPlan.open(path, LayoutConfig(seq_len=64))
+    b.sources[0].rows.advising = 10**6
+    for consumed in range(0, 400, 8):
+        assert same([batch_at(a, consumed, batch_size=8)], [batch_at(b, consumed, batch_size=8)])
+    assert 0 < b.sources[0].rows.advising < 10**6  # it advised (a slow first map re-arms it)
+    b.sources[0].rows.will_need(5_990, 64)  # across a shard's end: clamped to the shard
+    a.close()
+    b.close()

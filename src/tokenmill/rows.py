@@ -16,7 +16,9 @@ if every row were one document, then corrected on the rows that are not.
 
 from __future__ import annotations
 
+import mmap
 import threading
+import time
 from bisect import bisect_right
 from typing import Protocol
 
@@ -27,6 +29,9 @@ from tokenmill.sampler import ranges
 __all__ = ["RowFiller", "SLICE_SEGMENTS", "Shards"]
 
 SLICE_SEGMENTS = 32  # up to this many ranges a batch, slice copies beat building index arrays
+SLOW_COPY_S = 500e-6  # a batch's copies this slow read pages from disk (warm: ~10 µs)
+ADVISE_BATCHES = 64  # then ask for the next batches' pages at once (madvise), this many
+PAGE = mmap.PAGESIZE
 
 
 class Shards(Protocol):
@@ -49,6 +54,7 @@ class RowFiller:
         self.starts = self.bounds.tolist()
         self.ramp = np.arange(seq_len + 1, dtype=np.int32)  # positions 0, 1, 2, … of a segment
         self.local = threading.local()
+        self.advising = 0  # batches left that ask the kernel for their pages first
 
     def scratch(self, rows: int, dtype: np.dtype) -> np.ndarray:
         """This thread's (rows, seq_len + 1) array of ``dtype`` (made once per shape)."""
@@ -72,6 +78,11 @@ class RowFiller:
         distinct: as every ``rows`` here)."""
         buf = self.scratch(len(addrs), self.dtype)  # the store's: cast once, in _inputs_targets
         starts, shard_of, n = self.starts, self.store.shard, self.seq_len + 1
+        t0 = time.perf_counter()
+        if self.advising:  # pages were read from disk lately: ask for all of this batch's at once
+            self.advising -= 1
+            for s in addrs.tolist():
+                self.will_need(s, n)
         for i, s in enumerate(addrs.tolist()):  # self.copy, inlined: this is the hot loop
             k = bisect_right(starts, s) - 1
             local = s - starts[k]
@@ -80,7 +91,24 @@ class RowFiller:
                 buf[i] = data[local:local + n]
             else:
                 self.store.copy_tokens(s, buf[i])
+        if time.perf_counter() - t0 > SLOW_COPY_S:
+            self.advising = ADVISE_BATCHES
         self._inputs_targets(buf, rows, out)
+
+    def will_need(self, start: int, n: int) -> None:
+        """Ask the kernel to read global tokens [start, start + n) now, in the background
+        (``madvise(MADV_WILLNEED)``): a batch's reads then overlap instead of one page fault —
+        and its 128 KiB read-around — after another (cold pages: ~2.5 ms a batch → ~0.1 ms)."""
+        k = bisect_right(self.starts, start) - 1
+        data = self.store.shard(k)
+        mm = getattr(data.base, "obj", None)  # the mmap under a mapped shard (store.io.map_file)
+        if not hasattr(mm, "madvise"):
+            return
+        size = data.itemsize
+        at = (start - self.starts[k]) * size // PAGE * PAGE
+        end = min((start - self.starts[k] + n) * size, len(mm))
+        if end > at:
+            mm.madvise(mmap.MADV_WILLNEED, at, end - at)
 
     def _inputs_targets(self, buf: np.ndarray, rows: np.ndarray, out: dict) -> None:
         dest = as_slice(rows)
