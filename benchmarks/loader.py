@@ -4,7 +4,10 @@ Every (contender, page cache, repeat) runs in a fresh Python process; figures ar
 the repeats, which are interleaved (round r runs every contender once) so that noise from other
 tenants hits them all alike. The baseline is the "bare" loader of issue 16, exactly: random
 offsets into one ``np.memmap`` (the store's largest shard), ``np.stack`` of the 8 windows of
-seq_len + 1 tokens, ``.astype(np.int64)``; inputs and targets are views of that one array.
+seq_len + 1 tokens, ``.astype(np.int64)``; inputs and targets are views of that one array. The
+"limit" contender is the issue's practical limit: the same windows copied from the same memmap
+into one preallocated buffer (its ratio to bare is the ceiling on this machine); "torch" is
+``to_torch`` of the default Loader on CPU.
 
 Per run, three phases, each after the page cache is set up again: "warm" reads every shard once
 first; "cold" evicts the store's files (``os.posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED)``, no
@@ -32,9 +35,11 @@ from pathlib import Path
 
 import numpy as np
 
-CONTENDERS = ("bare", "default", "inline", "thread", "packed")
+CONTENDERS = ("bare", "limit", "default", "torch", "inline", "thread", "packed")
 LABELS = {
     "bare": "bare memmap (random offsets, np.stack of 8, .astype(int64))",
+    "limit": "practical limit: 8 × 2049 windows copied from the memmap into one buffer",
+    "torch": "to_torch(default Loader) on CPU",
     "default": "tokenmill default: Loader(store, seq_len=2048, batch_size=8)",
     "inline": "tokenmill num_workers=0 (inline)",
     "thread": "tokenmill num_workers=1 (always a thread ahead)",
@@ -72,13 +77,30 @@ def bare_batches(store: Path, seq_len: int, batch_size: int):
         yield {"inputs": w[:, :-1], "targets": w[:, 1:]}
 
 
+def limit_batches(store: Path, seq_len: int, batch_size: int):
+    """The issue's practical limit: the bare loader's windows copied from the same memmap into
+    one preallocated buffer (no stack, no cast): what any loader of this memmap must do."""
+    m = json.loads((store / "manifest.json").read_text())
+    biggest = max(m["shards"], key=lambda s: s["num_tokens"])
+    data = np.memmap(store / f"{biggest['name']}.bin", dtype=m["dtype"], mode="r")
+    rng = np.random.default_rng(0)
+    buf = np.empty((batch_size, seq_len + 1), data.dtype)
+    while True:
+        for row, i in enumerate(rng.integers(0, len(data) - seq_len - 1, batch_size).tolist()):
+            buf[row] = data[i:i + seq_len + 1]
+        yield {"inputs": buf[:, :-1], "targets": buf[:, 1:]}
+
+
 def make(name: str, store: Path, seq_len: int, batch_size: int, cache_dir: str):
-    if name == "bare":
-        return bare_batches(store, seq_len, batch_size), None
+    if name in ("bare", "limit"):
+        return (bare_batches if name == "bare" else limit_batches)(store, seq_len, batch_size), None
     from tokenmill import Loader
     kw = {"inline": {"num_workers": 0}, "thread": {"num_workers": 1},
           "packed": {"layout": "packed", "cache_dir": cache_dir}}.get(name, {})
     loader = Loader(store, seq_len=seq_len, batch_size=batch_size, **kw)
+    if name == "torch":
+        from tokenmill.integrations.torch import to_torch
+        return iter(to_torch(loader)), loader
     return iter(loader), loader
 
 
@@ -89,6 +111,8 @@ def child(args) -> dict:
     prepare = evict if args.cache == "cold" else warm
     passes = {ms: calibrate_step(ms) for ms in STEPS}
     alone = {ms: statistics.median(step_times(passes[ms], 30)) for ms in STEPS}
+    if args.child == "torch":
+        import torch  # noqa: F401 - imported before the clock, as a training script has
     prepare(store)
     t0 = time.perf_counter()
     it, loader = make(args.child, store, args.seq_len, args.batch_size, args.cache_dir)
@@ -138,6 +162,16 @@ def table(results: dict, cache: str) -> list[str]:
                      f"{med['tokens_per_s'] / base:.2f} | {med['wait_pct@20']:.2f}% | "
                      f"{med['slowdown_pct@20']:+.1f}% | {med['wait_pct@2']:.2f}% | "
                      f"{med['slowdown_pct@2']:+.1f}% | {modes} |")
+    rate = {n: statistics.median(r["tokens_per_s"] for r in results[(n, cache)] if "error" not in r)
+            for n in ("default", "torch", "limit") if (n, cache) in results}
+    if "torch" in rate and "default" in rate:
+        lines.append(f"\nto_torch on CPU vs the numpy default: {rate['torch'] / rate['default'] - 1:+.1%}")
+    if "limit" in rate:
+        lines.append(f"ceiling (practical limit ÷ bare): {rate['limit'] / base:.2f}×")
+    stats = [r.get("stats") for r in results.get(("default", cache), []) if r.get("stats")]
+    if stats:
+        lines.append(f"default's measured hand-off: {[s.get('handoff_us') for s in stats]} µs "
+                     f"({stats[-1].get('handoff')})")
     return lines
 
 

@@ -105,6 +105,41 @@ def test_cpu_batches_equal_the_loader_and_share_its_memory(store):
         assert same(held, expected(batches.loader, len(held)))
 
 
+def test_cpu_tensors_are_made_once_per_buffer_and_never_overwritten_while_held(store):
+    loader = Loader(store, seq_len=L, batch_size=4, seed=3, epochs=1, num_workers=0)
+    want = expected(loader, 24)
+    with to_torch(loader) as batches:
+        it = iter(batches)
+        seen, kept = set(), []
+        for k in range(24):
+            b = next(it)
+            seen.add(id(b["inputs"]))  # the same tensor objects come back: no per-batch wrapping
+            assert np.array_equal(b["inputs"].numpy(), want[k]["inputs"])
+            if k % 5 == 0:
+                kept.append((k, b))  # held: its buffer must not be refilled
+        assert len(seen) <= 4 + len(kept), len(seen)
+        for k, b in kept:
+            assert np.array_equal(b["inputs"].numpy(), want[k]["inputs"]), f"batch {k} overwritten"
+
+
+def test_a_watched_trace_shows_device_copies_inside_the_data_waits(store, tmp_path):
+    from tokenmill.watch import Watch
+    loader = Loader(store, seq_len=L, batch_size=4, num_workers=0)
+    batches = TorchBatches(loader, torch.device("cpu"), ops=FakeDevice(), depth=2)
+    with Watch(batches, every=5, trace=tmp_path / "t{rank}.json", log=None) as w:
+        for _ in zip(range(12), w):
+            pass
+    events = [e for e in json.loads((tmp_path / "t0.json").read_text())["traceEvents"]
+              if e["ph"] == "X"]
+    waits = [e for e in events if e["name"] == "data wait"]
+    for name in ("device copy", "plan", "gather"):
+        mine = [e for e in events if e["name"] == name]
+        assert len(mine) >= 12 and all(
+            any(w["ts"] <= e["ts"] and e["ts"] + e["dur"] <= w["ts"] + w["dur"] + 1e-3
+                for w in waits) for e in mine), name
+    batches.close()
+
+
 def test_pipeline_delivers_exact_batches_overlapped_waited_and_kept(store):
     fake = FakeDevice()
     loader = Loader(store, seq_len=L, batch_size=4, layout="packed", seed=1, num_workers=2)

@@ -1,5 +1,7 @@
 """The default Loader's pacing: inline while cheap, ahead while measured costly; same batches."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -53,6 +55,52 @@ def test_costly_but_hidden_by_a_long_step_stays_inline():
     assert p.mode == "inline"
 
 
+def test_the_measured_hand_off_cost_decides():
+    slow, fast = Pacer(), Pacer()
+    slow.measured(2e-3, "test")  # a 2 ms hand-off: a 1 ms batch is not worth handing over
+    fast.measured(50e-6, "test")
+    for p in (slow, fast):
+        for _ in range(10):
+            p.observe(assemble_s=1e-3, step_s=0.02)
+    assert slow.mode == "inline" and fast.mode == "ahead" and "50 µs hand-off" in fast.reason
+    assert slow.stats()["handoff_us"] == 2000.0 and slow.stats()["handoff"] == "measured: test"
+
+
+def test_waits_ahead_that_cost_more_than_assembling_inline_bring_it_back_and_raise_the_cost():
+    p = Pacer()
+    p.measured(20e-6, "round trips")  # an idle round trip: far below the real cost
+    for _ in range(pacing.GO_AHEAD + 1):
+        p.observe(assemble_s=60e-6, step_s=0.002)
+    assert p.mode == "ahead"
+    for k in range(pacing.AHEAD_TRIAL):  # the worker contends with the step: 0.4 ms waits
+        switched = p.observe(assemble_s=60e-6, step_s=0.002, wait_s=400e-6)
+    assert switched and p.mode == "inline" and "400 µs a batch ahead" in p.reason
+    assert p.stats()["handoff_us"] == 400.0 and "while ahead" in p.stats()["handoff"]
+    for _ in range(100):  # the same batches no longer go ahead
+        p.observe(assemble_s=60e-6, step_s=0.002)
+    assert p.mode == "inline"
+    for _ in range(pacing.GO_AHEAD + 1):  # cold pages: ms a batch still go ahead
+        p.observe(assemble_s=3e-3, step_s=0.02)
+    assert p.mode == "ahead"
+    for _ in range(3 * pacing.AHEAD_TRIAL):  # and stay there while the waits are small
+        p.observe(assemble_s=3e-3, step_s=0.02, wait_s=50e-6)
+    assert p.mode == "ahead"
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
+def test_the_default_measures_the_hand_off_once_after_the_first_batch(store):
+    with Loader(store, seq_len=L, batch_size=4) as ld:
+        assert ld.stats()["handoff"] == "assumed"  # nothing started before the first batch
+        it = iter(ld)
+        next(it)
+        next(it)
+        s = ld.stats()
+        assert s["handoff"].startswith("measured: median of 7 round trips") and s["handoff_us"] > 0
+        assert s["handoff_us"] == round(pacing.handoff_cost(None, "thread") * 1e6, 1)  # cached
+    with ThreadPoolExecutor(1) as pool:
+        assert 0 < pacing.round_trip_s(pool.submit, 3) < 1.0
+
+
 @pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
 def test_default_switching_modes_mid_run_gives_the_same_batches_and_resumes(store, monkeypatch):
     with Loader(store, seq_len=L, batch_size=4, num_workers=0) as ref:
@@ -67,13 +115,18 @@ def test_default_switching_modes_mid_run_gives_the_same_batches_and_resumes(stor
                 ld.pacer.mode = "inline"
             got.append({n: a.copy() for n, a in next(it).items()})
         assert same(got, want) and ld.consumed_samples == 240
-    monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)  # every batch "costly": goes ahead at once
+    # every batch "costly": goes ahead at once
+    monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
+    monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind="thread": -1.0)
+    monkeypatch.setattr(pacing, "AHEAD_TRIAL", 10**9)  # and stays there, whatever the waits
     assert_resumes_exactly(lambda: Loader(store, seq_len=L, batch_size=4), steps=12)
 
 
 @pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
 def test_the_meter_and_stats_say_which_mode_and_why(store, monkeypatch):
     monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
+    monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind="thread": -1.0)
+    monkeypatch.setattr(pacing, "AHEAD_TRIAL", 10**9)  # and stays there, whatever the waits
     monkeypatch.setattr(pacing, "WAIT_FRACTION", 0.0)
     with Loader(store, seq_len=L, batch_size=4) as ld:
         meter = Meter(ld)
@@ -91,6 +144,8 @@ def test_the_meter_and_stats_say_which_mode_and_why(store, monkeypatch):
 @pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
 def test_default_with_process_workers_goes_ahead_with_the_same_batches(store, monkeypatch):
     monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
+    monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind="thread": -1.0)
+    monkeypatch.setattr(pacing, "AHEAD_TRIAL", 10**9)  # and stays there, whatever the waits
     monkeypatch.setattr(pacing, "WAIT_FRACTION", 0.0)
     with Loader(store, seq_len=L, batch_size=4, num_workers=0) as ref:
         want = take(ref, 30)

@@ -8,12 +8,13 @@ import pickle
 import numpy as np
 import pytest
 
-from conftest import same, write_positional_store
-from tokenmill import sampler
+from conftest import lengths_summing_to, same, write_positional_store
+from tokenmill import pack, sampler
 from tokenmill.errors import ConfigError, StoreError
 from tokenmill.loader import Loader
 from tokenmill.plan import (BatchPlan, LayoutConfig, batch_at, check_identity, consumed_of,
                             global_positions, identity_of, plan_from_spec)
+from tokenmill.rows import SLICE_SEGMENTS
 from tokenmill.store import TokenStore
 
 L = 8
@@ -104,7 +105,49 @@ def test_gather_is_the_ranges_back_to_back_across_shards(tmp_path, segments):
     docs = rng.integers(0, 200, segments)
     starts = docs * 50 + rng.integers(0, 20, segments)
     lens = rng.integers(1, 30, segments)
-    got = src.gather(starts.astype(np.int64), lens.astype(np.int64))
+    got = src.rows.gather(starts.astype(np.int64), lens.astype(np.int64))
     want = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])
     assert src.store.num_shards == 5 and got.tolist() == want.tolist()
     plan.close()
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+def test_packed_rows_by_slices_equal_the_index_gather_path(tmp_path, dtype):
+    # documents of 1..150 tokens in shards of 700: rows of one, many or cut segments, padding;
+    # every row through both paths, three at a time, into rows 0, 2, 3 of a batch of 4
+    lengths = lengths_summing_to(30_000, docs=300, longest=150, seed=5)
+    path = write_positional_store(tmp_path / "s", lengths, shard_tokens=700)
+    plan = BatchPlan.open(path, LayoutConfig(seq_len=64, layout="packed"), dtype=dtype)
+    src = plan.sources[0]
+    n, compared = src.packed.num_rows, 0
+    for first in range(0, n - 3, 3):
+        addrs, rows = np.arange(first, first + 3)[::-1].copy(), np.array([0, 2, 3])
+        got, want = plan.new_buffers(4), plan.new_buffers(4)
+        for a, b in zip(got.values(), want.values()):
+            a.fill(7)
+            b.fill(7)
+        sliced = src.rows.packed(src.packed, addrs, rows, got)
+        compared += sliced
+        n_segs = int(src.packed.row_ptr[addrs + 1].sum() - src.packed.row_ptr[addrs].sum())
+        assert sliced == (n_segs <= SLICE_SEGMENTS)  # more: left to the index gather
+        if not sliced:
+            continue
+        pack.fill_packed_rows(src.packed, addrs, src.store.tokens, want, rows)
+        for k in want:
+            assert np.array_equal(got[k], want[k]), (first, k)
+    assert compared > 50 and src.packed.most_segments > 1 and src.packed.padding_fraction > 0
+    plan.close()
+
+
+def test_asking_the_kernel_for_pages_first_changes_no_byte(tmp_path):
+    # after a slow batch (pages read from disk) windows madvise(WILLNEED) their pages first
+    path = write_positional_store(tmp_path / "s", np.full(300, 50), shard_tokens=2_000)
+    a = BatchPlan.open(path, LayoutConfig(seq_len=64))
+    b = BatchPlan.open(path, LayoutConfig(seq_len=64))
+    b.sources[0].rows.advising = 10**6
+    for consumed in range(0, 400, 8):
+        assert same([batch_at(a, consumed, batch_size=8)], [batch_at(b, consumed, batch_size=8)])
+    assert 0 < b.sources[0].rows.advising < 10**6  # it advised (a slow first map re-arms it)
+    b.sources[0].rows.will_need(5_990, 64)  # across a shard's end: clamped to the shard
+    a.close()
+    b.close()

@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -78,3 +79,63 @@ def test_one_rank_without_a_process_group_and_bad_every(tmp_path):
     assert (tmp_path / "t-0.json").exists()
     with pytest.raises(ConfigError, match="every"):
         Watch([], every=0)
+
+
+def spans(events, tid=None):
+    return [e for e in events if e["ph"] == "X" and (tid is None or e["tid"] == tid)]
+
+
+def inside(inner, outer) -> bool:
+    return outer["ts"] <= inner["ts"] and \
+        inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + 1e-3  # µs rounding
+
+
+def properly_nested(row) -> bool:
+    """No two spans on one thread's row overlap partially (each pair: disjoint or nested)."""
+    row = sorted(row, key=lambda e: (e["ts"], -e["dur"]))
+    open_ = []
+    for e in row:
+        while open_ and e["ts"] >= open_[-1]["ts"] + open_[-1]["dur"] - 1e-3:
+            open_.pop()
+        if open_ and not inside(e, open_[-1]):
+            return False
+        open_.append(e)
+    return True
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_the_trace_has_the_loaders_stages_nested_in_each_steps_data_wait(tmp_path, ahead,
+                                                                        monkeypatch):
+    from conftest import write_positional_store
+    from tokenmill import Loader, pacing
+    store = write_positional_store(tmp_path / "s", [40] * 200, shard_tokens=1000)
+    if ahead:  # every batch "costly": the default hands them to its worker thread
+        monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind="thread": -1.0)
+        monkeypatch.setattr(pacing, "AHEAD_TRIAL", 10**9)  # and stays there, whatever the waits
+        monkeypatch.setattr(pacing, "WAIT_FRACTION", 0.0)
+    loader = Loader(store, seq_len=16, batch_size=4, **({} if ahead else {"num_workers": 0}))
+    with Watch(loader, every=10, trace=tmp_path / "t-{rank}.json", log=None) as w:
+        for _ in zip(range(30), w):
+            time.sleep(0.001)
+    events = json.loads((tmp_path / "t-0.json").read_text())["traceEvents"]
+    waits = spans(events, 0)
+    by_tid = {}
+    for e in spans(events):
+        by_tid.setdefault(e["tid"], []).append(e)
+    assert all(properly_nested(row) for row in by_tid.values())
+    data = [e for e in waits if e["name"] == "data wait"]
+    steps = [e for e in waits if e["name"] == "step"]
+    assert len(data) == 30 and len(steps) == 29  # every step covered: its wait, then its step
+    assert all(d["ts"] + d["dur"] <= s["ts"] + 1e-3 for d, s in zip(data, steps))
+    for name in ("plan", "gather"):  # each batch planned and gathered once, somewhere
+        assert len([e for e in spans(events) if e["name"] == name]) >= 30
+    stages = [e for e in waits if e["name"] in ("plan", "gather", "wait")]
+    assert all(any(inside(e, d) for d in data) for e in stages)  # main thread: inside a wait
+    workers = {e["tid"] for e in spans(events) if e["name"] == "gather"} - {0}
+    assert workers == ({2} if ahead else set())
+    if ahead:
+        assert loader.stats()["mode"] == "ahead"
+        assert len([e for e in waits if e["name"] == "wait"]) >= 25
+        names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+        assert names[0] == "training loop" and names[2] == "loader worker 1"
+    loader.close()

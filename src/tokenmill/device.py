@@ -25,6 +25,7 @@ class AheadOfLoader:
         self.loader, self.depth = loader, depth
         self._consumed = loader.consumed_samples
         self._iterating: object | None = None
+        self._spans = None  # record_spans: where "device copy" spans go, or None
 
     def __len__(self) -> int:
         """Steps per epoch, as the loader's."""
@@ -41,6 +42,16 @@ class AheadOfLoader:
         if self._iterating is token:
             self._consumed = consumed
         return self._iterating is token
+
+    def record_spans(self, sink) -> None:
+        """Report stages as ``sink(name, start, end)``: the loader's, and "device copy" (a
+        ``Watch(trace=)`` sets it; None stops)."""
+        self._spans = sink
+        self.loader.record_spans(sink)
+
+    def stage_times(self) -> dict[str, float]:
+        """The loader's cumulative seconds per stage (what ``Watch`` compares across ranks)."""
+        return self.loader.stage_times()
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's state as of the last batch handed out (in-flight ones excluded)."""

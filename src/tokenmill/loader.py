@@ -20,13 +20,14 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from tokenmill import pacing
 from tokenmill.errors import ConfigError, StaleIterator
 from tokenmill.mixture import described_phases
+from tokenmill.options import LoaderOptions
 from tokenmill.pacing import Pacer
 from tokenmill.plan import (STATE_VERSION, BatchPlan, LayoutConfig, batch_at, global_positions, resolve_rank)
 from tokenmill.procs import resolve_workers, usable_cores
@@ -43,44 +44,6 @@ TUNE_WINDOW = 50  # steps between prefetch decisions
 TUNE_WAIT_FRACTION = 0.01  # deepen prefetch while data wait is above 1%
 MAX_PREFETCH = 64
 PREFETCH_MEMORY_BUDGET = 1 << 30  # never let prefetch buffers grow past 1 GiB
-WORKER_TYPES = ("thread", "process")
-
-
-@dataclass(frozen=True)
-class LoaderOptions:
-    """The Loader's less common settings, passed to it as keywords (``Loader(..., epochs=2)``)."""
-
-    prefetch: int | str = "auto"  # batches computed ahead; "auto" deepens while data wait > 1%
-    epochs: int | None = None  # stop after this many epochs (None: run forever)
-    dtype: str = "int32"  # of inputs/targets: "int32" or "int64"
-    worker_type: str = "thread"  # "thread" or "process"
-    cache_dir: str | os.PathLike | None = None  # where packed layouts are cached
-    max_segments: int | None = None  # packed: at most this many documents a row (kernel limits)
-    # named stores: [(first global sample, {name: weight}), …] phases (docs/mixing.md)
-    mixture: Sequence | None = None
-
-    def __post_init__(self):
-        if self.prefetch != "auto" and (isinstance(self.prefetch, bool) or
-                                        not isinstance(self.prefetch, int) or self.prefetch < 1):
-            raise ConfigError(f"prefetch must be an int >= 1 or 'auto' (got {self.prefetch!r})")
-        if self.epochs is not None and (isinstance(self.epochs, bool) or
-                                        not isinstance(self.epochs, int) or self.epochs < 1):
-            raise ConfigError(f"epochs must be None or an int >= 1 (got epochs={self.epochs!r})")
-        if np.dtype(self.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
-            raise ConfigError(f"dtype must be 'int32' or 'int64' (got dtype={self.dtype!r})")
-        if self.worker_type not in WORKER_TYPES:
-            raise ConfigError(f"worker_type must be 'thread' or 'process' "
-                              f"(got {self.worker_type!r})")
-
-    @classmethod
-    def of(cls, options: Mapping[str, Any]) -> LoaderOptions:
-        """The options from a Loader's extra keywords; TypeError naming an unknown one."""
-        known = {f.name for f in fields(cls)}
-        for name in options:
-            if name not in known:
-                raise TypeError(f"Loader() got an unexpected keyword argument {name!r} "
-                                f"(its options are {sorted(known)})")
-        return cls(**options)
 
 
 class LoaderIterator:
@@ -145,7 +108,8 @@ class Loader:
         self.cache_dir = None if opts.cache_dir is None else str(opts.cache_dir)
         self.num_workers = _resolve_workers(num_workers)
         # "auto": inline or one worker ahead, decided by measured times (pacing.Pacer)
-        self.pacer = Pacer() if num_workers == "auto" and self.num_workers else None
+        self.pacer = Pacer(handoff_s=pacing.HANDOFF_S) if num_workers == "auto" and \
+            self.num_workers else None
         self.prefetch = _resolve_prefetch(opts.prefetch, self.num_workers)
         self.plan = BatchPlan.open(source, self.config, dtype=opts.dtype, cache_dir=self.cache_dir,
                                    mixture=opts.mixture)
@@ -161,6 +125,7 @@ class Loader:
         self._auto_prefetch = opts.prefetch == "auto"
         self._tuning = {"wait": 0.0, "steps": 0, "since": None}
         self._assemble_s = 0.0
+        self._spans = None  # record_spans: where stage spans go (a trace), or None
         self._stage_lock = threading.Lock()
         self._ready = 0
         self._pool = None
@@ -276,7 +241,7 @@ class Loader:
                 fut, bufs = ahead.popleft()
                 self._ready = sum(f.done() for f, _ in ahead) + fut.done()
                 t0 = clock()
-                fut.result()  # a worker's exception surfaces here with its own traceback
+                self._waited(fut)
                 batch = self._hand_out(it, bufs)
                 self._tune(clock() - t0, clock())
                 yield batch
@@ -297,11 +262,12 @@ class Loader:
                     ahead.append((self._ensure_pool().submit(self._timed_fill,
                                                              self.positions(nxt), bufs), bufs))
                     nxt, n_left = nxt + gb, None if n_left is None else n_left - 1
-                t0 = clock()
+                t0, waited = clock(), None
                 if ahead:
                     fut, bufs = ahead.popleft()
                     self._ready = sum(f.done() for f, _ in ahead) + fut.done()
-                    took = fut.result()
+                    took = self._waited(fut)
+                    waited = clock() - t0
                 elif n_left is None or n_left > 0:
                     bufs = self._ring.take()
                     took = self._timed_fill(self.positions(nxt), bufs)
@@ -313,7 +279,12 @@ class Loader:
                     self._tune(clock() - t0, clock())
                 handed = clock()
                 yield batch
-                self.pacer.observe(assemble_s=took, step_s=clock() - handed)
+                resumed = clock()
+                if self.pacer.handoff == "assumed" and self.worker_type == "thread":
+                    # once, after the first batch (not in its latency): pacing.handoff_cost
+                    self.pacer.measured(pacing.handoff_cost(self._ensure_pool().submit),
+                                        pacing.HANDOFF_HOW)
+                self.pacer.observe(assemble_s=took, step_s=resumed - handed, wait_s=waited)
         finally:
             self._cancel(ahead)
 
@@ -328,11 +299,33 @@ class Loader:
 
     def _timed_fill(self, positions: np.ndarray, bufs: dict) -> float:
         t0 = time.perf_counter()
-        self.plan.fill(positions, bufs)
+        if (spans := self._spans) is None:
+            self.plan.fill(positions, bufs)
+        else:  # traced: the plan (positions → addresses) and the gather (the copies) apart
+            resolved = self.plan.resolve(positions)
+            t1 = time.perf_counter()
+            self.plan.fill_resolved(resolved, bufs)
+            spans("plan", t0, t1)
+            spans("gather", t1, time.perf_counter())
         took = time.perf_counter() - t0
         with self._stage_lock:
             self._assemble_s += took
         return took
+
+    def _waited(self, fut: Future):
+        """``fut.result()``; traced: the time blocked in it, as a "wait" span."""
+        t0 = time.perf_counter()
+        try:
+            return fut.result()  # a worker's exception surfaces here with its own traceback
+        finally:
+            if self._spans is not None:
+                self._spans("wait", t0, time.perf_counter())
+
+    def record_spans(self, sink) -> None:
+        """Report every stage as ``sink(name, start, end)`` (perf_counter seconds, from the
+        thread that ran it) from now on: "plan", "gather" (thread workers and inline) and
+        "wait" (blocked on a batch computed ahead); None stops. ``Watch(trace=)`` sets it."""
+        self._spans = sink
 
     def stats(self) -> dict[str, Any]:
         """Where batches are assembled and why: {"mode": "inline" | "ahead", "why", "workers",
@@ -382,6 +375,12 @@ class Loader:
         """Host memory the batch buffers take at a prefetch depth (ring = depth + 2 batches)."""
         per_batch = sum(a.nbytes for a in self.plan.new_buffers(self.batch_size).values())
         return per_batch * ((self.prefetch if prefetch is None else prefetch) + 2)
+
+    def hand_out_views(self, view) -> None:
+        """From now on hand out ``view(array)`` for each batch array (made once per buffer, e.g.
+        ``torch.from_numpy``: no per-batch wrapping) instead of the array; a buffer is reused only
+        once nothing outside holds its view. ``to_torch`` on CPU sets it."""
+        self._ring.view = view
 
     def _ensure_pool(self):
         if self._pool is None:

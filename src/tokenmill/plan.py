@@ -33,6 +33,7 @@ from tokenmill import pack, sampler
 from tokenmill.errors import ConfigError, StoreError
 from tokenmill.io import FileId, file_id, redact
 from tokenmill.mixture import Mixture, mixture_of
+from tokenmill.rows import RowFiller, distinct
 from tokenmill.store.format import MANIFEST, read_manifest
 from tokenmill.store.reader import TokenStore
 
@@ -144,8 +145,7 @@ class SampleSource:
                 key=store.fingerprint, doc_lengths=store.doc_lengths, seq_len=L,
                 max_segments=config.max_segments)
             self.num_samples = self.packed.num_rows
-        self._shard_starts = store.shard_token_starts
-        self._shard_start_list = store.shard_token_starts.tolist()
+        self.rows = RowFiller(store, store.shard_token_starts, seq_len=L, dtype=store.dtype)
 
     def addresses(self, draws: np.ndarray) -> np.ndarray:
         """Where this store's draws number ``draws`` (0, 1, 2, …) live: the first token of a
@@ -155,63 +155,20 @@ class SampleSource:
             return ids
         epochs = sampler.epoch_of(draws, self.num_samples)
         out = np.empty_like(ids)
-        for e in np.unique(epochs).tolist():  # the window offset moves with the epoch
+        for e in distinct(epochs):  # the window offset moves with the epoch
             sel = epochs == e
             offset = pack.concat_offset(self.config.seq_len, seed=self.config.seed, epoch=e)
             out[sel] = pack.concat_starts(ids[sel], seq_len=self.config.seq_len, offset=offset)
         return out
 
     def fill(self, addrs: np.ndarray, rows: np.ndarray, out: dict[str, np.ndarray]) -> None:
-        """Write the samples at ``addrs`` into rows ``rows`` of the batch arrays ``out``."""
-        if self.packed is not None:
-            pack.fill_packed_rows(self.packed, addrs, self.store.tokens, out, rows,
-                                  gather=self.gather)
+        """Write the samples at ``addrs`` into rows ``rows`` (ascending) of the batch ``out``."""
+        if self.packed is None:
+            self.rows.windows(addrs, rows, out)
             return
-        L = self.config.seq_len
-        shard = np.searchsorted(self._shard_starts, addrs, side="right") - 1
-        inputs, targets = out["inputs"], out["targets"]
-        starts, shard_of = self._shard_start_list, self.store.shard
-        for row, s, k in zip(rows.tolist(), addrs.tolist(), shard.tolist()):
-            local = s - starts[k]
-            # looked up per row, never held across rows: the store maps shards on demand, a
-            # bounded number at a time, so a batch pins no more shards (or fds) than it allows
-            data = shard_of(k)
-            if local + L + 1 <= len(data):  # the usual case: one shard, two slice copies
-                inputs[row] = data[local:local + L]
-                targets[row] = data[local + 1:local + L + 1]
-            else:
-                self.store.copy_tokens(s, inputs[row])
-                self.store.copy_tokens(s + 1, targets[row])
-
-
-    SLICE_SEGMENTS = 32  # up to this many ranges a batch, slice copies beat building indices
-
-    def gather(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Tokens of the global ranges [start, start + length) back to back: slice copies for a
-        few ranges, else one gather through one index array per shard touched (same bytes)."""
-        bounds = self._shard_starts
-        shard = np.searchsorted(bounds, starts, side="right") - 1
-        local = starts - bounds[shard]
-        out = np.empty(int(lengths.sum()), self.store.dtype)
-        if np.any(local + lengths > bounds[shard + 1] - bounds[shard]):  # crosses a shard end
-            at = 0
-            for s, n in zip(starts.tolist(), lengths.tolist()):
-                self.store.copy_tokens(s, out[at:at + n])
-                at += n
-            return out
-        if len(starts) <= self.SLICE_SEGMENTS:
-            at, shard_of = 0, self.store.shard
-            for k, s, n in zip(shard.tolist(), local.tolist(), lengths.tolist()):
-                out[at:at + n] = shard_of(k)[s:s + n]  # looked up per range: maps are bounded
-                at += n
-            return out
-        at = np.zeros(len(lengths), np.int64)
-        np.cumsum(lengths[:-1], out=at[1:])
-        for k in np.unique(shard).tolist():
-            sel = np.flatnonzero(shard == k)  # the store maps shards on demand: one at a time
-            out[sampler.ranges(at[sel], lengths[sel])] = \
-                self.store.shard(k)[sampler.ranges(local[sel], lengths[sel])]
-        return out
+        if not self.rows.packed(self.packed, addrs, rows, out):  # few segments: the usual case
+            pack.fill_packed_rows(self.packed, addrs, self.store.tokens, out, rows,
+                                  gather=self.rows.gather)
 
 
 def open_sources(source, config: LayoutConfig, cache_dir: str | os.PathLike | None = None,
@@ -423,7 +380,7 @@ class BatchPlan:
             lo = first - b * self.BLOCK
             return sid[lo:lo + len(positions)], addr[lo:lo + len(positions)]
         blocks = positions // self.BLOCK
-        parts = [self.resolve(positions[blocks == b]) for b in np.unique(blocks)]
+        parts = [self.resolve(positions[blocks == b]) for b in distinct(blocks)]
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
@@ -436,7 +393,7 @@ class BatchPlan:
         else:
             sid, draws = sampler.assign_phased(self.schedule, pos)
         addr = np.empty(len(pos), np.int64)
-        for s in np.unique(sid).tolist():
+        for s in distinct(sid):
             sel = sid == s
             addr[sel] = self.sources[s].addresses(draws[sel])
         with self._lock:
@@ -447,14 +404,18 @@ class BatchPlan:
 
     def fill(self, positions: np.ndarray, out: dict[str, np.ndarray]) -> None:
         """Fill ``out`` with the samples at global ``positions`` (one per row)."""
-        sid, addr = self.resolve(positions)
+        self.fill_resolved(self.resolve(positions), out)
+
+    def fill_resolved(self, resolved: tuple[np.ndarray, np.ndarray], out: dict) -> None:
+        """Fill ``out`` with the samples at the (store id, address) pairs ``resolve`` gave."""
+        sid, addr = resolved
         if self.schedule is None:
-            rows = self._rows.get(len(positions))
+            rows = self._rows.get(len(addr))
             if rows is None:
-                rows = self._rows[len(positions)] = np.arange(len(positions))
+                rows = self._rows[len(addr)] = np.arange(len(addr))
             self.sources[0].fill(addr, rows, out)
             return
-        for s in np.unique(sid).tolist():
+        for s in distinct(sid):
             rows = np.flatnonzero(sid == s)
             self.sources[s].fill(addr[rows], rows, out)
 

@@ -18,31 +18,52 @@ __all__ = ["Ring", "memory_plan", "refcounts"]
 
 
 class Ring:
-    """Reusable batch buffers; one is reused only when no outside reference to it remains."""
+    """Reusable batch buffers; one is reused only when no outside reference to it remains.
+
+    With ``view`` set (e.g. ``torch.from_numpy``), each buffer's view is made once and handed out
+    instead of the array; the buffer is then reused when no outside reference to its *view*
+    remains (the view holds the array: the array's own count no longer says who holds it).
+    """
 
     def __init__(self, make, size: int):
         self.make, self.size = make, size
         self.free: deque[dict] = deque()
         self.free_refs: list[int] = []
         self.out: deque[dict] = deque()  # handed to the user, oldest first
+        self.view = None  # array -> what is handed out for it (None: the array itself)
+        self.views: dict[int, dict] = {}  # id(bufs) -> its views, made at the first hand-out
+        self.view_refs: list[int] = []
 
     def take(self) -> dict[str, np.ndarray]:
         """A buffer set that nothing else references (reclaimed or new)."""
-        while self.out and refcounts(self.out[0]) == self.free_refs:
+        while self.out and self._free(self.out[0]):
             self.free.append(self.out.popleft())
         if self.free:
             return self.free.popleft()
         if len(self.out) >= self.size:  # the user keeps old batches: let them own those
-            self.out.popleft()
+            self.views.pop(id(self.out.popleft()), None)
         bufs = self.make()
         # what an array's count reads when only the ring's dict holds it, measured the same way
         self.free_refs = refcounts(bufs)
         return bufs
 
+    def _free(self, bufs: dict) -> bool:
+        views = self.views.get(id(bufs))
+        if views is None:
+            return refcounts(bufs) == self.free_refs
+        return refcounts(views) == self.view_refs
+
     def hand_out(self, bufs: dict) -> dict:
-        """Record ``bufs`` as given to the user; returns a new dict over the same arrays."""
+        """Record ``bufs`` as given to the user; returns a new dict over the same arrays (or
+        their views)."""
         self.out.append(bufs)
-        return dict(bufs)
+        if self.view is None:
+            return dict(bufs)
+        views = self.views.get(id(bufs))
+        if views is None:
+            views = self.views[id(bufs)] = {k: self.view(a) for k, a in bufs.items()}
+            self.view_refs = refcounts(views)
+        return dict(views)
 
     def reclaim(self, bufs: dict) -> None:
         """Return a buffer set that was never handed out."""

@@ -14,7 +14,10 @@ their *step* times even out: the excess over the median, per stage, is what poin
 Without an initialised process group there is one rank. torch is never imported here.
 
 ``trace=`` writes the Chrome trace event format (``{"traceEvents": [...]}``, one ``pid`` per
-rank; open it in Perfetto or chrome://tracing) when the loop ends or ``close()`` is called.
+rank; open it in Perfetto or chrome://tracing) when the loop ends or ``close()`` is called: on
+the loop's thread (tid 0) "data wait" (in ``next()``) and "step" spans, and inside each data wait
+the stages the iterable reports through ``record_spans`` (a Loader's "plan", "gather", "wait";
+``to_torch``'s "device copy"); stages run by a worker thread go on that thread's own row.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -80,6 +84,10 @@ class Watch:
         self._stage_base = dict(self._stages()) if callable(self._stages) else {}
         self._last_end: float | None = None
         self._t0 = time.perf_counter()
+        self._threads = {threading.get_ident(): 0}  # thread → tid in the trace (1: all_gather)
+        self._record = getattr(iterable, "record_spans", None)
+        if self.trace is not None and callable(self._record):
+            self._record(self._stage_span)
 
     def __iter__(self) -> Watch:
         return self
@@ -89,6 +97,15 @@ class Watch:
         if self.trace is not None:
             self.events.append({"name": name, "ph": "X", "pid": self.rank, "tid": 0,
                                 "ts": (start - self._t0) * 1e6, "dur": (end - start) * 1e6})
+
+    def _stage_span(self, name: str, start: float, end: float) -> None:
+        """A stage the iterable reports (from any thread): a trace span on that thread's row."""
+        ident = threading.get_ident()
+        tid = self._threads.get(ident)
+        if tid is None:
+            tid = self._threads.setdefault(ident, len(self._threads) + 1)
+        self.events.append({"name": name, "ph": "X", "pid": self.rank, "tid": tid,
+                            "ts": (start - self._t0) * 1e6, "dur": (end - start) * 1e6})
 
     def __next__(self):
         t0 = time.perf_counter()
@@ -133,11 +150,17 @@ class Watch:
                                 "dur": (time.perf_counter() - start) * 1e6})
 
     def close(self) -> None:
-        """Write the trace (if asked); idempotent."""
+        """Stop the iterable's stage spans and write the trace (if asked); idempotent."""
+        if self.trace is not None and callable(self._record):
+            self._record(None)
         if self.trace is not None and self.events:
-            meta = {"name": "process_name", "ph": "M", "pid": self.rank,
-                    "args": {"name": f"rank {self.rank}"}}
-            self.trace.write_text(json.dumps({"traceEvents": [meta, *self.events]}))
+            meta = [{"name": "process_name", "ph": "M", "pid": self.rank,
+                     "args": {"name": f"rank {self.rank}"}}]
+            names = {0: "training loop", 1: "all_gather"}
+            meta += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": t,
+                      "args": {"name": names.get(t, f"loader worker {t - 1}")}}
+                     for t in sorted({*self._threads.values(), 1})]
+            self.trace.write_text(json.dumps({"traceEvents": [*meta, *self.events]}))
 
     def __enter__(self) -> Watch:
         return self

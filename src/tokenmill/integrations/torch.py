@@ -4,7 +4,9 @@
     for batch in batches:                    # batch["inputs"]: torch.int32 (8, 2048) on cuda
         state = batches.state_dict()         # save this one, not the loader's: see below
 
-``to_torch`` on CPU wraps each numpy array with ``torch.from_numpy`` (no copy). On CUDA it keeps
+``to_torch`` on CPU hands out tensors that share the loader's batch buffers (``torch.from_numpy``,
+made once per buffer: no copy, no per-batch wrapping; its iterator is the loader's own, which
+hands out those tensors from then on, also when iterated itself). On CUDA it keeps
 ``depth`` batches in flight: each is copied by the host into a pinned buffer of a small ring and
 sent by a non-blocking copy on a side stream, so batch k+1 crosses PCIe while step k runs. The
 compute stream waits on the copy's event (the host does not), ``record_stream`` keeps the caching
@@ -34,6 +36,7 @@ Packed batches (``layout="packed"``) in each attention kernel's form, built by t
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -149,9 +152,22 @@ class TorchBatches(AheadOfLoader):
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         token = self._begin()
+        if self._cpu:  # no batch in flight: the loader's own iterator, handing out tensors
+            self.loader.hand_out_views(torch.from_numpy)  # made once per buffer, no copy
+            return iter(self.loader)
         if self._ops is None:
             return self._direct(token)
         return self._pipelined(token)
+
+    @property
+    def _cpu(self) -> bool:
+        return self._ops is None and self.device.type == "cpu"
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's state as of the last batch handed out (in-flight ones excluded)."""
+        if self._cpu:  # nothing in flight: the loader's count is what was handed out
+            return self.loader.state_dict()
+        return super().state_dict()
 
     def _numpy(self) -> Iterator[tuple[dict[str, np.ndarray], int]]:
         """The loader's batches, each with the consumed_samples count once it is handed out."""
@@ -159,11 +175,12 @@ class TorchBatches(AheadOfLoader):
             yield arrays, self.loader.consumed_samples
 
     def _direct(self, token) -> Iterator[dict[str, torch.Tensor]]:
-        cpu = self.device.type == "cpu"
+        """Another accelerator (mps, xpu, …): a plain, blocking copy of each batch."""
         for arrays, consumed in self._numpy():
-            tensors = {k: torch.from_numpy(a) for k, a in arrays.items()}  # shares the memory
-            if not cpu:  # another accelerator (mps, xpu, …): a plain, blocking copy
-                tensors = {k: t.to(self.device) for k, t in tensors.items()}
+            t0 = time.perf_counter()
+            tensors = {k: torch.from_numpy(a).to(self.device) for k, a in arrays.items()}
+            if self._spans is not None:
+                self._spans("device copy", t0, time.perf_counter())
             if not self._hand_out(token, consumed):
                 return
             yield tensors
@@ -174,7 +191,10 @@ class TorchBatches(AheadOfLoader):
         while True:
             while len(ahead) < self.depth and (item := next(source, None)) is not None:
                 arrays, consumed = item
+                t0 = time.perf_counter()
                 ahead.append((self._send(ops, arrays, issued), consumed))
+                if self._spans is not None:  # the host's part: pinned copy, copy issued
+                    self._spans("device copy", t0, time.perf_counter())
                 issued += 1
                 del arrays, item  # the loader may reuse its buffer once the host copy is done
             if not ahead:

@@ -1,0 +1,52 @@
+"""The Loader's less common settings (``LoaderOptions``), checked when a Loader is built."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from tokenmill.errors import ConfigError
+
+__all__ = ["LoaderOptions", "WORKER_TYPES"]
+
+WORKER_TYPES = ("thread", "process")
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """The Loader's less common settings, passed to it as keywords (``Loader(..., epochs=2)``)."""
+
+    prefetch: int | str = "auto"  # batches computed ahead; "auto" deepens while data wait > 1%
+    epochs: int | None = None  # stop after this many epochs (None: run forever)
+    dtype: str = "int32"  # of inputs/targets: "int32" or "int64"
+    worker_type: str = "thread"  # "thread" or "process"
+    cache_dir: str | os.PathLike | None = None  # where packed layouts are cached
+    max_segments: int | None = None  # packed: at most this many documents a row (kernel limits)
+    # named stores: [(first global sample, {name: weight}), …] phases (docs/mixing.md)
+    mixture: Sequence | None = None
+
+    def __post_init__(self):
+        if self.prefetch != "auto" and (isinstance(self.prefetch, bool) or
+                                        not isinstance(self.prefetch, int) or self.prefetch < 1):
+            raise ConfigError(f"prefetch must be an int >= 1 or 'auto' (got {self.prefetch!r})")
+        if self.epochs is not None and (isinstance(self.epochs, bool) or
+                                        not isinstance(self.epochs, int) or self.epochs < 1):
+            raise ConfigError(f"epochs must be None or an int >= 1 (got epochs={self.epochs!r})")
+        if np.dtype(self.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
+            raise ConfigError(f"dtype must be 'int32' or 'int64' (got dtype={self.dtype!r})")
+        if self.worker_type not in WORKER_TYPES:
+            raise ConfigError(f"worker_type must be 'thread' or 'process' "
+                              f"(got {self.worker_type!r})")
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any]) -> LoaderOptions:
+        """The options from a Loader's extra keywords; TypeError naming an unknown one."""
+        known = {f.name for f in fields(cls)}
+        for name in options:
+            if name not in known:
+                raise TypeError(f"Loader() got an unexpected keyword argument {name!r} "
+                                f"(its options are {sorted(known)})")
+        return cls(**options)

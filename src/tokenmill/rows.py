@@ -1,0 +1,213 @@
+"""Filling batch rows from a store's shards: concat windows and packed rows by slice copies.
+
+Each row is ``seq_len + 1`` tokens, copied once from its shard into a per-thread scratch array
+of the store's dtype; ``inputs`` and ``targets`` are then written for the whole batch in two
+casts (``inputs = rows[:, :-1]``, ``targets = rows[:, 1:]``) instead of two copies a row::
+
+    filler = RowFiller(store, store.shard_token_starts, seq_len=2048, dtype=store.dtype)
+    filler.windows(np.array([0, 4096]), np.arange(2), out)   # out: {"inputs", "targets"} (2, 2048)
+
+The store is read through two methods (``Shards``), looked up per row and never held across rows:
+a store maps shards on demand, a bounded number at a time. A row that crosses a shard's end is
+copied piece by piece (``copy_tokens``). Packed rows of a batch with few segments (the usual case:
+~1.1 documents a row) take the same path, and their metadata is written for the whole batch as
+if every row were one document, then corrected on the rows that are not.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import time
+from bisect import bisect_right
+from typing import Protocol
+
+import numpy as np
+
+from tokenmill.sampler import ranges
+
+__all__ = ["RowFiller", "SLICE_SEGMENTS", "Shards"]
+
+SLICE_SEGMENTS = 32  # up to this many ranges a batch, slice copies beat building index arrays
+SLOW_COPY_S = 500e-6  # a batch's copies this slow read pages from disk (warm: ~10 µs)
+ADVISE_BATCHES = 64  # then ask for the next batches' pages at once (madvise), this many
+PAGE = mmap.PAGESIZE
+
+
+class Shards(Protocol):
+    """What a RowFiller reads: a store's shard arrays and a copy across shard ends."""
+
+    def shard(self, i: int) -> np.ndarray:
+        """The token array of shard ``i``."""
+
+    def copy_tokens(self, start: int, out: np.ndarray) -> None:
+        """Global tokens [start, start + len(out)) into ``out``, across shards."""
+
+
+class RowFiller:
+    """Rows of a batch from one store's shards (a scratch array per thread: workers fill
+    batches concurrently)."""
+
+    def __init__(self, store: Shards, shard_starts: np.ndarray, *, seq_len: int, dtype):
+        self.store, self.seq_len, self.dtype = store, seq_len, np.dtype(dtype)
+        self.bounds = np.asarray(shard_starts, dtype=np.int64)  # token start of each shard, total
+        self.starts = self.bounds.tolist()
+        self.ramp = np.arange(seq_len + 1, dtype=np.int32)  # positions 0, 1, 2, … of a segment
+        self.local = threading.local()
+        self.advising = 0  # batches left that ask the kernel for their pages first
+
+    def scratch(self, rows: int, dtype: np.dtype) -> np.ndarray:
+        """This thread's (rows, seq_len + 1) array of ``dtype`` (made once per shape)."""
+        buf = getattr(self.local, "rows", None)
+        if buf is None or buf.shape[0] != rows or buf.dtype != dtype:
+            buf = self.local.rows = np.empty((rows, self.seq_len + 1), dtype)
+        return buf
+
+    def copy(self, start: int, out: np.ndarray) -> None:
+        """Global tokens [start, start + len(out)) into ``out``: one slice copy inside a shard."""
+        k = bisect_right(self.starts, start) - 1  # the shard holding token ``start``
+        local = start - self.starts[k]
+        data = self.store.shard(k)
+        if local + len(out) <= len(data):
+            out[:] = data[local:local + len(out)]
+        else:
+            self.store.copy_tokens(start, out)
+
+    def windows(self, addrs: np.ndarray, rows: np.ndarray, out: dict[str, np.ndarray]) -> None:
+        """Concat windows starting at global tokens ``addrs`` into batch rows ``rows`` (ascending,
+        distinct: as every ``rows`` here)."""
+        buf = self.scratch(len(addrs), self.dtype)  # the store's: cast once, in _inputs_targets
+        starts, shard_of, n = self.starts, self.store.shard, self.seq_len + 1
+        t0 = time.perf_counter()
+        if self.advising:  # pages were read from disk lately: ask for all of this batch's at once
+            self.advising -= 1
+            for s in addrs.tolist():
+                self.will_need(s, n)
+        for i, s in enumerate(addrs.tolist()):  # self.copy, inlined: this is the hot loop
+            k = bisect_right(starts, s) - 1
+            local = s - starts[k]
+            data = shard_of(k)
+            if local + n <= len(data):
+                buf[i] = data[local:local + n]
+            else:
+                self.store.copy_tokens(s, buf[i])
+        if time.perf_counter() - t0 > SLOW_COPY_S:
+            self.advising = ADVISE_BATCHES
+        self._inputs_targets(buf, rows, out)
+
+    def will_need(self, start: int, n: int) -> None:
+        """Ask the kernel to read global tokens [start, start + n) now, in the background
+        (``madvise(MADV_WILLNEED)``): a batch's reads then overlap instead of one page fault —
+        and its 128 KiB read-around — after another (cold pages: ~2.5 ms a batch → ~0.1 ms)."""
+        k = bisect_right(self.starts, start) - 1
+        data = self.store.shard(k)
+        mm = getattr(data.base, "obj", None)  # the mmap under a mapped shard (store.io.map_file)
+        if not hasattr(mm, "madvise"):
+            return
+        size = data.itemsize
+        at = (start - self.starts[k]) * size // PAGE * PAGE
+        end = min((start - self.starts[k] + n) * size, len(mm))
+        if end > at:
+            mm.madvise(mmap.MADV_WILLNEED, at, end - at)
+
+    def _inputs_targets(self, buf: np.ndarray, rows: np.ndarray, out: dict) -> None:
+        dest = as_slice(rows)
+        out["inputs"][dest] = buf[:, :-1]
+        out["targets"][dest] = buf[:, 1:]
+
+    def packed(self, layout, addrs: np.ndarray, rows: np.ndarray, out: dict) -> bool:
+        """Packed rows ``addrs`` of ``layout`` (a ``pack.PackedLayout``) into batch rows ``rows``
+        by slice copies, if they hold at most SLICE_SEGMENTS segments (else False: nothing
+        written); the same bytes as ``pack.fill_packed_rows``: padding 0, segment ids from 1,
+        positions from 0 in each segment, loss_mask 0 on a segment's last token and on padding."""
+        seg = layout.row_ptr[addrs]  # each row's first segment
+        first, last = seg.tolist(), layout.row_ptr[addrs + 1].tolist()
+        if sum(last) - sum(first) > SLICE_SEGMENTS:
+            return False
+        buf = self.scratch(len(addrs), self.dtype)  # the store's: cast once, in _inputs_targets
+        heads, sizes = layout.seg_start[seg].tolist(), layout.seg_len[seg].tolist()
+        capacity, copy = self.seq_len + 1, self.copy
+        odd = []  # rows that are not one segment filling the row: their metadata differs
+        for i, (a, b) in enumerate(zip(first, last)):
+            if b - a == 1 and sizes[i] == capacity:  # the usual row: one piece of a document
+                copy(heads[i], buf[i])
+                continue
+            lengths = layout.seg_len[a:b].tolist()
+            at = 0
+            for s, n in zip(layout.seg_start[a:b].tolist(), lengths):
+                copy(s, buf[i, at:at + n])
+                at += n
+            buf[i, at:] = 0
+            odd.append((int(rows[i]), lengths))
+        self._inputs_targets(buf, rows, out)
+        if "segment_ids" in out:
+            dest = as_slice(rows)
+            out["segment_ids"][dest] = 1  # one segment filling the row: the common case
+            out["positions"][dest] = self.ramp[:-1]
+            out["loss_mask"][dest] = 1
+            for dst, lengths in odd:
+                self._metadata(out, dst, lengths)
+        return True
+
+    def _metadata(self, out: dict, dst: int, lengths: list[int]) -> None:
+        L, at = self.seq_len, 0
+        sid, pos, mask = out["segment_ids"][dst], out["positions"][dst], out["loss_mask"][dst]
+        for j, n in enumerate(lengths):
+            e = min(at + n, L)
+            sid[at:e] = j + 1
+            pos[at:e] = self.ramp[:e - at]
+            mask[at:e] = 1
+            if at + n - 1 < L:
+                mask[at + n - 1] = 0  # a segment's last token has no target in it
+            at += n
+        if at < L:  # padding
+            sid[at:], pos[at:], mask[at:] = 0, 0, 0
+
+    def gather(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Tokens of the global ranges [start, start + length) back to back: slice copies for a
+        few ranges, else one gather through one index array per shard touched (same bytes)."""
+        bounds = self.bounds
+        shard = np.searchsorted(bounds, starts, side="right") - 1
+        local = starts - bounds[shard]
+        out = np.empty(int(lengths.sum()), self.dtype)
+        if len(starts) <= SLICE_SEGMENTS or np.any(local + lengths > bounds[shard + 1] -
+                                                   bounds[shard]):  # few, or crossing an end
+            at = 0
+            for s, n in zip(starts.tolist(), lengths.tolist()):
+                self.copy(s, out[at:at + n])
+                at += n
+            return out
+        at = np.zeros(len(lengths), np.int64)
+        np.cumsum(lengths[:-1], out=at[1:])
+        for k in distinct(shard):
+            sel = np.flatnonzero(shard == k)  # the store maps shards on demand: one at a time
+            out[ranges(at[sel], lengths[sel])] = \
+                self.store.shard(k)[ranges(local[sel], lengths[sel])]
+        return out
+
+
+def as_slice(rows: np.ndarray) -> slice | np.ndarray:
+    """Ascending distinct ``rows`` as a slice when they are consecutive (a slice assigns faster
+    than an index array).
+
+    as_slice(np.arange(2, 5)) == slice(2, 5)
+    """
+    first, last = int(rows[0]), int(rows[-1])
+    if last - first == len(rows) - 1:
+        return slice(first, last + 1)
+    return rows
+
+
+def distinct(values: np.ndarray) -> list[int]:
+    """The distinct values, ascending: ``np.unique`` without its first-call cost (it imports
+    numpy.ma, ~5 ms, which would be most of the time to a first batch).
+
+    distinct(np.array([3, 1, 3])) == [1, 3]
+    """
+    if values.size == 0:
+        return []
+    lo, hi = values.min(), values.max()
+    if lo == hi:  # the usual case: one epoch, one store, one block
+        return [int(lo)]
+    s = np.sort(values, kind="stable")
+    return s[np.concatenate(([True], s[1:] != s[:-1]))].tolist()
