@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["AHEAD_TRIAL", "GO_AHEAD", "GO_INLINE", "HANDOFF_HOW", "HANDOFF_ROUNDS", "HANDOFF_S", "Pacer", "WAIT_FRACTION",
+__all__ = ["AHEAD_TRIAL", "GO_AHEAD", "GO_INLINE", "HANDOFF_HOW", "HANDOFF_MARGIN", "HANDOFF_ROUNDS", "HANDOFF_S", "Pacer", "WAIT_FRACTION",
            "handoff_cost", "round_trip_s"]
 
 HANDOFF_S = 150e-6  # assumed hand-off cost until measured (issue 16's VM)
@@ -37,6 +37,9 @@ WAIT_FRACTION = 0.01  # inline assembly above 1% of a step shows as data wait
 GO_AHEAD = 3  # costly batches in a row before moving ahead (cold pages show at once)
 GO_INLINE = 50  # cheap batches in a row before coming back inline (no flapping)
 AHEAD_TRIAL = 8  # batches ahead before their waits are compared with assembling inline
+# an idle round trip understates a hand-off while the step holds the GIL (0.2-1.8 ms waits were
+# seen for a 22 µs round trip): going ahead needs batches costlier than this many round trips
+HANDOFF_MARGIN = 4
 
 _measured: dict[str, float] = {}  # worker kind -> seconds, measured once per process
 
@@ -98,14 +101,15 @@ class Pacer:
         if self.mode == "inline":
             # ahead hides at most the step: with no step to hide behind (a loop that only draws
             # batches) a hand-off is pure cost
-            costly = min(assemble_s, step_s) > self.handoff_s and \
+            costly = min(assemble_s, step_s) > HANDOFF_MARGIN * self.handoff_s and \
                 assemble_s > WAIT_FRACTION * (assemble_s + step_s)
             self.streak = self.streak + 1 if costly else 0
             if self.streak >= GO_AHEAD:
                 self.inline_s, self.ahead_seen = self.assemble_s, 0
                 return self._switch("ahead", f"assembling took {assemble_s * 1e3:.2f} ms a "
                                     f"batch inline ({self._share(assemble_s):.1%} of a step), "
-                                    f"more than a {self.handoff_s * 1e6:.0f} µs hand-off")
+                                    f"more than {HANDOFF_MARGIN} hand-offs of "
+                                    f"{self.handoff_s * 1e6:.0f} µs")
             return False
         return self._ahead(wait_s)
 
