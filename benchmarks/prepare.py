@@ -1,6 +1,7 @@
 """Benchmark `tokenmill prepare` (--workers auto and 2) against raw fastokens, tokenizers, tiktoken.
 
-python benchmarks/prepare.py [--corpus PATH] [--mb N] [--repeats K] [--json OUT]
+python benchmarks/prepare.py [--corpus PATH] [--tokenizer FILE] [--mb N] [--repeats K]
+                             [--work DIR] [--json OUT]
 
 One run, same texts: each raw engine encodes the corpus's documents already in memory (no I/O;
 each in its own fresh process, so no run starts with caches another run warmed), then `tokenmill prepare`
@@ -256,7 +257,7 @@ def time_raw(name: str, tok_path: Path, data: Path) -> dict:
     engine's run, whose Rust thread pools keep per-thread caches): seconds, tokens, ids."""
     ids_file = BENCH / f"raw-{name}.npz"
     cmd = [sys.executable, __file__, "--raw", name, "--corpus", str(data),
-           "--tokenizer", str(tok_path), "--out", str(ids_file)]
+           "--tokenizer", str(tok_path), "--out", str(ids_file), "--work", str(BENCH)]
     res = json.loads(subprocess.run(cmd, check=True, capture_output=True).stdout)
     with np.load(ids_file) as z:
         res.update(ids=z["ids"], lengths=z["lengths"])
@@ -291,16 +292,21 @@ def measure(tok_path: Path, data: Path, repeats: int, engine: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; optionally write every figure as JSON."""
+    global BENCH  # --work: every path the benchmark writes
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", type=Path, help="JSONL corpus (default: build_corpus, 220 MB)")
     ap.add_argument("--mb", type=float, help="only the first N MB of the corpus")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each measurement")
     ap.add_argument("--engine", default="auto", help="prepare's --tokenizer-engine")
     ap.add_argument("--json", type=Path, help="write all raw figures here")
+    ap.add_argument("--tokenizer", type=Path,
+                    help="tokenizer.json (default: a 32k BPE trained on the corpus, cached)")
+    ap.add_argument("--work", type=Path, default=BENCH,
+                    help="where corpora, stores and logs go (default: bench-data)")
     ap.add_argument("--raw", help=argparse.SUPPRESS)  # internal: time one raw engine
-    ap.add_argument("--tokenizer", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    BENCH = args.work
     os.environ["TOKENIZERS_PARALLELISM"] = "true"  # raw tokenizers: Rust threads on every core
     if args.raw:
         return raw_main(args)
@@ -311,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
 
     BENCH.mkdir(exist_ok=True)
     corpus = args.corpus or build_corpus(BENCH, target_mb=220)
-    tok_path = trained_tokenizer(corpus)
+    tok_path = args.tokenizer or trained_tokenizer(corpus)
     tok = load_tokenizer(tok_path, engine=args.engine)
     print(f"tokenizer: {tok_path} (vocab {tok.vocab_size:,}); tokenmill engine = {tok.engine} "
           f"{list(tok.engine_notes)}")

@@ -292,14 +292,25 @@ def _lines(data: bytes) -> tuple[list[str | None], dict[int, str]]:
 
 
 def _jsonl_docs(blocks, key: str, report, base) -> Iterator[str | Skip]:
-    loads, done = json.loads, 0  # done: lines of the unit in earlier blocks
+    done = 0  # lines of the unit in earlier blocks
     for data in blocks:
-        lines, bad = _lines(data)
-        for i, line in enumerate(lines):
-            try:
-                text = loads(line)[key]
+        raws = data.split(b"\n")
+        if data.endswith(b"\n"):
+            raws.pop()
+        for i, raw in enumerate(raws):
+            try:  # fast path: a non-empty str straight from the line's bytes
+                text = _loads_bytes(raw)[key]
+                if type(text) is str and text:
+                    yield text
+                    continue
             except (ValueError, TypeError, KeyError, RecursionError):
-                if problem := _json_problem(line, bad.get(i), key):
+                pass
+            # anything else (malformed, invalid UTF-8, no text...): the stdlib decides, as before
+            line, utf8_error = _decoded(raw)
+            try:
+                text = json.loads(line)[key]
+            except (ValueError, TypeError, KeyError, RecursionError):
+                if problem := _json_problem(line, utf8_error, key):
                     yield report(f"line {base() + done + i + 1}", *problem)
                 continue
             if type(text) is str and text:
@@ -308,7 +319,27 @@ def _jsonl_docs(blocks, key: str, report, base) -> Iterator[str | Skip]:
                 yield report(f"line {base() + done + i + 1}", *(
                     ("empty_document", f"{key!r} is empty") if text == "" else
                     ("non_string_field", f"{key!r} is {_kind(text)}")))
-        done += len(lines)
+        done += len(raws)
+
+
+def _stdlib_loads_bytes(raw: bytes):
+    return json.loads(raw.decode())
+
+
+try:  # orjson parses the UTF-8 bytes directly: no str of the line first (97 MB of JSONL: 0.16
+    # CPU-s instead of 0.27 for decode + json.loads). Where it accepts a line, json.loads gives
+    # the same value (it refuses lone surrogates, NaN, huge numbers: those go the stdlib way).
+    from orjson import loads as _loads_bytes
+except ImportError:  # pragma: no cover - depends on what is installed
+    _loads_bytes = _stdlib_loads_bytes
+
+
+def _decoded(raw: bytes) -> tuple[str | None, str | None]:
+    """A line as str, or None and why it is not UTF-8."""
+    try:
+        return raw.decode(), None
+    except UnicodeDecodeError as e:
+        return None, f"{e.reason} at column {e.start + 1}"
 
 
 def _json_problem(line: str | None, utf8_error: str | None, key: str) -> tuple[str, str] | None:

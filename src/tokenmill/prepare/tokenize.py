@@ -126,11 +126,24 @@ def tokenize_unit(unit: sources.Unit, config: PrepareConfig, storage_options: Ma
                   tokenizer: Tokenizer | None = None, payload: bytes | None = None) -> UnitResult:
     """Read one unit (or its ``payload``) and tokenize its documents (EOS/BOS as configured)."""
     tok = tokenizer if tokenizer is not None else tokenizer_of(config)
-    source_config = config.source_config(storage_options)
+    return encode_unit(read_unit_items(unit, config, storage_options, payload), config, tok)
+
+
+def read_unit_items(unit: sources.Unit, config: PrepareConfig,
+                    storage_options: Mapping | None = None,
+                    payload: bytes | None = None) -> tuple[list, str | None]:
+    """The first half of ``tokenize_unit``, which a thread can run ahead (the unit's documents
+    and skips in file order; the digest of its input bytes)."""
     digest = unit_digest(unit, storage_options)
+    return list(sources.read_unit(unit, config.source_config(storage_options), payload)), digest
+
+
+def encode_unit(read: tuple[list, str | None], config: PrepareConfig, tok: Tokenizer) -> UnitResult:
+    """The second half of ``tokenize_unit``: a unit's items (from ``read_unit_items``) tokenized."""
+    items, digest = read
     texts: list[str] = []
     skips: list[tuple[int, sources.Skip]] = []
-    for item in sources.read_unit(unit, source_config, payload):
+    for item in items:
         if isinstance(item, sources.Skip):
             skips.append((len(texts), item))
         else:
