@@ -1,31 +1,13 @@
 """tokenmill: raw text → token store → exact, resumable batches that keep accelerators fed."""
 
-import importlib
-
 from tokenmill.errors import (ConfigError, InputError, StaleIterator, StoreError, TokenizerError,
                               TokenmillError)
-
-# The rest is imported on first use (PEP 562): `tokenmill prepare` never needs the loader, whose
-# imports cost ~0.1 CPU-s of every prepare's start-up.
-_LAZY = {"Loader": "tokenmill.loader", "Instrumented": "tokenmill.metrics",
-         "Meter": "tokenmill.metrics", "ModelCost": "tokenmill.metrics",
-         "PrepareConfig": "tokenmill.prepare", "prepare": "tokenmill.prepare",
-         "TokenStore": "tokenmill.store", "verify_store": "tokenmill.store",
-         "load_tokenizer": "tokenmill.tokenizer", "Watch": "tokenmill.watch"}
-
-
-def __getattr__(name: str):
-    """The public names above, imported on first use."""
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
-
+from tokenmill.loader import Loader
+from tokenmill.metrics import Instrumented, Meter, ModelCost
+from tokenmill.prepare import PrepareConfig, prepare
+from tokenmill.store import TokenStore, verify_store
+from tokenmill.tokenizer import load_tokenizer
+from tokenmill.watch import Watch
 
 __version__ = "0.1.0"
 
