@@ -91,3 +91,9 @@ def test_jsonl_lines_parse_as_the_stdlib_parses_them(tmp_path, monkeypatch, fast
                    ("line 8", "invalid_utf8"), "\U0001F600 pair", "inf beside",
                    ("line 12", "malformed_json"), ("line 13", "malformed_json"),
                    ("line 14", "missing_field"), "end"]
+
+
+def test_inputs_given_as_a_generator_are_all_prepared(tmp_path):
+    paths = [write_jsonl(tmp_path / f"{i}.jsonl", TEXTS[i::2]) for i in range(2)]
+    prepare((str(p) for p in paths), out=tmp_path / "s", workers=1, progress=False)
+    assert len(docs_of(tmp_path / "s")) == len(TEXTS)
