@@ -341,23 +341,54 @@ def _lines(data: bytes) -> tuple[list[str | None], dict[int, str]]:
 
 def _jsonl_docs(blocks, key: str, report, base, first: int) -> Iterator[Doc | Skip]:
     """``first``: lines before the unit's first record when known (else 0: unit-relative)."""
-    loads, new, done = json.loads, tuple.__new__, first  # done: lines before the block
+    new, done = tuple.__new__, first  # done: lines before the block
     for data in blocks:
-        lines, bad = _lines(data)
-        for n, line in enumerate(lines, done + 1):  # n: the line's number (from first)
-            try:
-                text = loads(line)[key]
+        raws = data.split(b"\n")
+        if data.endswith(b"\n"):
+            raws.pop()
+        for n, raw in enumerate(raws, done + 1):  # n: the line's number (from first)
+            try:  # fast path: a non-empty str straight from the line's bytes
+                text = _loads_bytes(raw)[key]
+                if type(text) is str and text:
+                    yield new(Doc, (text, n))  # Doc(text, n): 75 ns, not 130 (no argument parsing)
+                    continue
             except (ValueError, TypeError, KeyError, RecursionError):
-                if problem := _json_problem(line, bad.get(n - done - 1), key):
+                pass
+            # anything else (malformed, invalid UTF-8, no text...): the stdlib decides, as before
+            line, utf8_error = _decoded(raw)
+            try:
+                text = json.loads(line)[key]
+            except (ValueError, TypeError, KeyError, RecursionError):
+                if problem := _json_problem(line, utf8_error, key):
                     yield report(f"line {base() + n - first}", *problem)
                 continue
             if type(text) is str and text:
-                yield new(Doc, (text, n))  # Doc(text, n): 75 ns, not 130 (no argument parsing)
+                yield new(Doc, (text, n))
             else:
                 yield report(f"line {base() + n - first}", *(
                     ("empty_document", f"{key!r} is empty") if text == "" else
                     ("non_string_field", f"{key!r} is {_kind(text)}")))
-        done += len(lines)
+        done += len(raws)
+
+
+def _stdlib_loads_bytes(raw: bytes):
+    return json.loads(raw.decode())
+
+
+try:  # orjson parses the UTF-8 bytes directly: no str of the line first (97 MB of JSONL: 0.16
+    # CPU-s instead of 0.27 for decode + json.loads). Where it accepts a line, json.loads gives
+    # the same value (it refuses lone surrogates, NaN, huge numbers: those go the stdlib way).
+    from orjson import loads as _loads_bytes
+except ImportError:  # pragma: no cover - depends on what is installed
+    _loads_bytes = _stdlib_loads_bytes
+
+
+def _decoded(raw: bytes) -> tuple[str | None, str | None]:
+    """A line as str, or None and why it is not UTF-8."""
+    try:
+        return raw.decode(), None
+    except UnicodeDecodeError as e:
+        return None, f"{e.reason} at column {e.start + 1}"
 
 
 def _json_reader(config: SourceConfig):

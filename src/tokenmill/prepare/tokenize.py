@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 import xxhash
@@ -157,17 +157,39 @@ def tokenize_unit(unit: sources.Unit, config: PrepareConfig, storage_options: Ma
                   tokenizer: Tokenizer | None = None, payload: bytes | None = None) -> UnitResult:
     """Read one unit (or its ``payload``) and tokenize its documents (EOS/BOS as configured)."""
     tok = tokenizer if tokenizer is not None else tokenizer_of(config)
-    source_config = config.source_config(storage_options)
+    return encode_unit(read_unit_items(unit, config, storage_options, payload), config, tok)
+
+
+class UnitRead(NamedTuple):
+    """The first half of a unit's work: its Docs and Skips in file order (after the transform),
+    the digest of its input bytes, its newline count (``records.LineCount``) and its file."""
+
+    items: list
+    digest: str | None
+    newlines: int
+    path: str
+
+
+def read_unit_items(unit: sources.Unit, config: PrepareConfig,
+                    storage_options: Mapping | None = None,
+                    payload: bytes | None = None) -> UnitRead:
+    """The first half of ``tokenize_unit``, which a thread can run ahead."""
     digest = unit_digest(unit, storage_options)
-    texts: list[str] = []
-    lines: list[int] = []  # a document kept is appended to both, in lockstep
-    skips: list[tuple[int, sources.Skip]] = []
     count = LineCount()
-    items = sources.read_unit(unit, source_config, payload, count)
+    items = sources.read_unit(unit, config.source_config(storage_options), payload, count)
     if config.transform is not None:  # per document: transform → holdout → encode (C2)
         items = transformed(items, config.transform, unit.path, config.on_error,
                             functools.partial(txt_place, unit))
-    for item in items:
+    items = list(items)  # read to the end: the count is complete
+    return UnitRead(items, digest, count.newlines, unit.path)
+
+
+def encode_unit(read: UnitRead, config: PrepareConfig, tok: Tokenizer) -> UnitResult:
+    """The second half of ``tokenize_unit``: a unit's items (from ``read_unit_items``) tokenized."""
+    texts: list[str] = []
+    lines: list[int] = []  # a document kept is appended to both, in lockstep
+    skips: list[tuple[int, sources.Skip]] = []
+    for item in read.items:
         if type(item) is Doc:
             text, line = item
             texts.append(text)
@@ -175,12 +197,12 @@ def tokenize_unit(unit: sources.Unit, config: PrepareConfig, storage_options: Ma
         else:
             skips.append((len(texts), item))
     if config.holdout is not None:
-        kept, skips = keep_side(texts, skips, config.holdout, unit.path)
+        kept, skips = keep_side(texts, skips, config.holdout, read.path)
         texts, lines = [texts[i] for i in kept], [lines[i] for i in kept]
     tokens, lengths = encode_documents(tok, texts, add_eos=config.add_eos,
                                        add_bos=config.add_bos, dtype=token_dtype(tok.vocab_size))
-    return UnitResult(tokens, lengths, skips, sum(map(len, texts)), digest,
-                      np.array(lines, dtype=np.int64), count.newlines)
+    return UnitResult(tokens, lengths, skips, sum(map(len, texts)), read.digest,
+                      np.array(lines, dtype=np.int64), read.newlines)
 
 
 def txt_place(unit: sources.Unit, k: int) -> str:
