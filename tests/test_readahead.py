@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import docs_of, write_jsonl
-from tokenmill import readers, sources
+from tokenmill import jsonl, sources
 from tokenmill.errors import InputError
 from tokenmill.prepare import PrepareConfig, prepare, tokenize_unit
 from tokenmill.prepare.pool import ReadAhead, inline_results
@@ -75,14 +75,14 @@ TRICKY = [b'{"text": "plain"}', b'{"text": "lone \\ud800 surrogate"}', b'{"text"
 @pytest.mark.parametrize("fast", [True, False])
 def test_jsonl_lines_parse_as_the_stdlib_parses_them(tmp_path, monkeypatch, fast):
     if fast:
-        pytest.importorskip("orjson")
-        assert readers._loads_bytes is not readers._stdlib_loads_bytes
+        import orjson  # noqa: F401  (the `fast` extra: make test installs it)
+        assert jsonl._loads_bytes is not jsonl._stdlib_loads_bytes
     else:
-        monkeypatch.setattr(readers, "_loads_bytes", readers._stdlib_loads_bytes)
+        monkeypatch.setattr(jsonl, "_loads_bytes", jsonl._stdlib_loads_bytes)
     path = tmp_path / "t.jsonl"
     path.write_bytes(b"\n".join(TRICKY) + b"\n")
     config = PrepareConfig(on_error="skip").source_config()
-    got = [x if isinstance(x, str) else (x.where, x.reason)
+    got = [x.text if isinstance(x, sources.Doc) else (x.where, x.reason)
            for unit in sources.plan_units([str(path)], config)
            for x in sources.read_unit(unit, config)]
     assert got == ["plain", "lone \ud800 surrogate",

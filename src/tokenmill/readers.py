@@ -38,17 +38,16 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 
 from tokenmill.decompress import open_stream, skip_bytes
 from tokenmill.errors import InputError
 from tokenmill.io import file_size, open_binary
-from tokenmill.records import (COMPRESSED, Doc, LineCount, Record, Report, Skip, SourceConfig,
+from tokenmill.jsonl import json_reader
+from tokenmill.records import (COMPRESSED, Doc, LineCount, Report, Skip, SourceConfig,
                                Unit, format_of, io_errors, unit_lines_relative)
 
 _CHUNK = 1 << 20  # read 1 MiB blocks of whole lines: memory stays bounded whatever unit_bytes is
@@ -200,7 +199,7 @@ def _plain_docs(unit: Unit, fmt: str, config: SourceConfig, report: Report, payl
         track.base = base = _line_base(unit.path, fmt, pos, config.storage_options)
         blocks = _blocks(f, stop - pos if stop >= 0 else -1, track, bom=pos == 0)
         if fmt != "txt":
-            yield from _json_reader(config)(blocks, config.text_key, report, base, 0)
+            yield from json_reader(config)(blocks, config.text_key, report, base, 0)
         elif mode == "lines":
             yield from _line_docs(blocks, report, base)
         else:
@@ -227,7 +226,7 @@ def _stream_docs(unit: Unit, fmt: str, config: SourceConfig, report: Report, pay
             unit.path, fmt, unit.start, config.storage_options)
         track.base = base
         blocks = _blocks(f, limit, track, carry=head, bom=unit.start == 0)
-        yield from _json_reader(config)(blocks, config.text_key, report, base, line or 0)
+        yield from json_reader(config)(blocks, config.text_key, report, base, line or 0)
 
 
 def _sniff(head: bytes) -> tuple[str, str] | None:
@@ -337,113 +336,6 @@ def _lines(data: bytes) -> tuple[list[str | None], dict[int, str]]:
     if data.endswith(b"\n"):
         lines.pop()
     return lines, bad
-
-
-def _jsonl_docs(blocks, key: str, report, base, first: int) -> Iterator[Doc | Skip]:
-    """``first``: lines before the unit's first record when known (else 0: unit-relative)."""
-    new, done = tuple.__new__, first  # done: lines before the block
-    for data in blocks:
-        raws = data.split(b"\n")
-        if data.endswith(b"\n"):
-            raws.pop()
-        for n, raw in enumerate(raws, done + 1):  # n: the line's number (from first)
-            try:  # fast path: a non-empty str straight from the line's bytes
-                text = _loads_bytes(raw)[key]
-                if type(text) is str and text:
-                    yield new(Doc, (text, n))  # Doc(text, n): 75 ns, not 130 (no argument parsing)
-                    continue
-            except (ValueError, TypeError, KeyError, RecursionError):
-                pass
-            # anything else (malformed, invalid UTF-8, no text...): the stdlib decides, as before
-            line, utf8_error = _decoded(raw)
-            try:
-                text = json.loads(line)[key]
-            except (ValueError, TypeError, KeyError, RecursionError):
-                if problem := _json_problem(line, utf8_error, key):
-                    yield report(f"line {base() + n - first}", *problem)
-                continue
-            if type(text) is str and text:
-                yield new(Doc, (text, n))
-            else:
-                yield report(f"line {base() + n - first}", *(
-                    ("empty_document", f"{key!r} is empty") if text == "" else
-                    ("non_string_field", f"{key!r} is {_kind(text)}")))
-        done += len(raws)
-
-
-def _stdlib_loads_bytes(raw: bytes):
-    return json.loads(raw.decode())
-
-
-try:  # orjson parses the UTF-8 bytes directly: no str of the line first (97 MB of JSONL: 0.16
-    # CPU-s instead of 0.27 for decode + json.loads). Where it accepts a line, json.loads gives
-    # the same value (it refuses lone surrogates, NaN, huge numbers: those go the stdlib way).
-    from orjson import loads as _loads_bytes
-except ImportError:  # pragma: no cover - depends on what is installed
-    _loads_bytes = _stdlib_loads_bytes
-
-
-def _decoded(raw: bytes) -> tuple[str | None, str | None]:
-    """A line as str, or None and why it is not UTF-8."""
-    try:
-        return raw.decode(), None
-    except UnicodeDecodeError as e:
-        return None, f"{e.reason} at column {e.start + 1}"
-
-
-def _json_reader(config: SourceConfig):
-    """What reads a JSONL unit's lines: their text_key (the fast path), or whole records."""
-    return _jsonl_records if config.records else _jsonl_docs
-
-
-def _jsonl_records(blocks, key: str, report, base, first: int) -> Iterator[Record | Skip]:
-    """Each line's whole JSON object (for a transform), numbered as _jsonl_docs numbers its
-    documents; what is not an object is reported."""
-    loads, done = json.loads, first
-    for data in blocks:
-        lines, bad = _lines(data)
-        for n, line in enumerate(lines, done + 1):
-            try:
-                obj = loads(line)
-            except (ValueError, TypeError, RecursionError):
-                obj = None
-            if type(obj) is dict:
-                yield Record(obj, n, partial(_line_place, base, n - first))
-            elif problem := _json_problem(line, bad.get(n - done - 1), key):
-                yield report(f"line {base() + n - first}", *problem)
-        done += len(lines)
-
-
-def _line_place(base, n: int) -> str:
-    return f"line {base() + n}"
-
-
-def _json_problem(line: str | None, utf8_error: str | None, key: str) -> tuple[str, str] | None:
-    """(reason, detail) for a JSONL line that gave no text; None for a blank line."""
-    if line is None:
-        return "invalid_utf8", utf8_error
-    if not line.strip(_WS):
-        return None
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        return "malformed_json", f"{e.msg}: column {e.colno}"
-    except RecursionError:
-        return "malformed_json", "nested too deeply"
-    except ValueError as e:  # not a JSONDecodeError: an integer of more than 4,300 digits
-        return "malformed_json", str(e)
-    if not isinstance(obj, dict):
-        return "malformed_json", f"expected a JSON object, got {_kind(obj)}"
-    return "missing_field", f"no {key!r} key; keys are {', '.join(map(repr, list(obj)[:5])) or 'none'}"
-
-
-_KINDS = {type(None): "null", bool: "a boolean", int: "a number", float: "a number",
-          str: "a string", list: "an array", dict: "an object"}
-
-
-def _kind(value) -> str:
-    """What a decoded JSON value is, for messages: _kind(None) == "null", _kind([]) == "an array"."""
-    return _KINDS.get(type(value), type(value).__name__)
 
 
 def _line_docs(blocks, report, base) -> Iterator[Doc | Skip]:

@@ -109,13 +109,6 @@ class Unit:
     line: int | None = None
 
 
-class Doc(NamedTuple):
-    """A document's text and the 1-based line (or row) where it starts in its file (see above)."""
-
-    text: str
-    line: int
-
-
 @dataclass
 class LineCount:
     """Filled by a text unit's reader: ``newlines``, the "\\n"s of the lines the unit owns (a

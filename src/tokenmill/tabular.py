@@ -36,6 +36,7 @@ import re
 from collections.abc import Iterator
 
 from tokenmill.io import open_binary
+from tokenmill.jsonl import kind
 from tokenmill.readers import plan_ranges
 from tokenmill.records import Doc, Record, Report, Skip, SourceConfig
 
@@ -211,13 +212,13 @@ def _element_doc(value, n: int, key: str, report: Report, check: bool) -> Doc | 
     ``check``: look for bytes that were not UTF-8."""
     where = f"element {n}"
     if not isinstance(value, dict):
-        return report(where, "malformed_json", f"expected a JSON object, got {_kind(value)}")
+        return report(where, "malformed_json", f"expected a JSON object, got {kind(value)}")
     if key not in value:
         return report(where, "missing_field", f"no {key!r} key; keys are "
                       f"{', '.join(map(repr, list(value)[:5])) or 'none'}")
     text = value[key]
     if type(text) is not str:
-        return report(where, "non_string_field", f"{key!r} is {_kind(text)}")
+        return report(where, "non_string_field", f"{key!r} is {kind(text)}")
     if check and (error := _not_utf8(text, key)):
         return report(where, "invalid_utf8", error)
     return Doc(text, n) if text else report(where, "empty_document", f"{key!r} is empty")
@@ -313,12 +314,3 @@ def _element(buf: _Buffer) -> object:
         except RecursionError:
             return _Malformed("nested too deeply")
         buf.more()
-
-
-_KINDS = {type(None): "null", bool: "a boolean", int: "a number", float: "a number",
-          str: "a string", list: "an array", dict: "an object"}
-
-
-def _kind(value) -> str:
-    """What a decoded JSON value is, for messages: _kind(None) == "null"."""
-    return _KINDS.get(type(value), type(value).__name__)

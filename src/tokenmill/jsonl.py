@@ -1,0 +1,134 @@
+"""JSON Lines: the lines of a block of a unit → documents (``Doc``), whole records (``Record``,
+for a transform) or what is wrong with a line (a ``Skip`` by ``report``).
+
+    docs = jsonl_docs(blocks, "text", report, base, first=0)
+
+A line is parsed from its bytes by orjson when installed (the `fast` extra), else by the
+standard library; whatever orjson does not take as a non-empty string (malformed, invalid UTF-8,
+lone surrogates, NaN, huge numbers, no text) goes the standard library's way, so skips and their
+messages are the same either way. Lines are numbered from ``first`` (see ``records``: units past
+byte 0 count from their first record); ``base()`` gives the lines before the unit, counted only
+when a message needs them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from functools import partial
+
+from tokenmill.records import Doc, Record, Skip, SourceConfig
+
+__all__ = ["json_reader", "jsonl_docs", "jsonl_records", "kind"]
+
+_WS = " \t\r\f\v"  # what a blank line may hold
+
+
+def jsonl_docs(blocks, key: str, report, base, first: int) -> Iterator[Doc | Skip]:
+    """``first``: lines before the unit's first record when known (else 0: unit-relative)."""
+    new, done = tuple.__new__, first  # done: lines before the block
+    for data in blocks:
+        raws = data.split(b"\n")
+        if data.endswith(b"\n"):
+            raws.pop()
+        for n, raw in enumerate(raws, done + 1):  # n: the line's number (from first)
+            try:  # fast path: a non-empty str straight from the line's bytes
+                text = _loads_bytes(raw)[key]
+                if type(text) is str and text:
+                    yield new(Doc, (text, n))  # Doc(text, n): 75 ns, not 130 (no argument parsing)
+                    continue
+            except (ValueError, TypeError, KeyError, RecursionError):
+                pass
+            # anything else (malformed, invalid UTF-8, no text...): the stdlib decides, as before
+            line, utf8_error = _decoded(raw)
+            try:
+                text = json.loads(line)[key]
+            except (ValueError, TypeError, KeyError, RecursionError):
+                if problem := _json_problem(line, utf8_error, key):
+                    yield report(f"line {base() + n - first}", *problem)
+                continue
+            if type(text) is str and text:
+                yield new(Doc, (text, n))
+            else:
+                yield report(f"line {base() + n - first}", *(
+                    ("empty_document", f"{key!r} is empty") if text == "" else
+                    ("non_string_field", f"{key!r} is {kind(text)}")))
+        done += len(raws)
+
+
+def _stdlib_loads_bytes(raw: bytes):
+    return json.loads(raw.decode())
+
+
+try:  # orjson parses the UTF-8 bytes directly: no str of the line first (97 MB of JSONL: 0.16
+    # CPU-s instead of 0.27 for decode + json.loads). Where it accepts a line, json.loads gives
+    # the same value (it refuses lone surrogates, NaN, huge numbers: those go the stdlib way).
+    from orjson import loads as _loads_bytes
+except ImportError:  # pragma: no cover - depends on what is installed
+    _loads_bytes = _stdlib_loads_bytes
+
+
+def _decoded(raw: bytes) -> tuple[str | None, str | None]:
+    """A line as str, or None and why it is not UTF-8."""
+    try:
+        return raw.decode(), None
+    except UnicodeDecodeError as e:
+        return None, f"{e.reason} at column {e.start + 1}"
+
+
+def json_reader(config: SourceConfig):
+    """What reads a JSONL unit's lines: their text_key (the fast path), or whole records."""
+    return jsonl_records if config.records else jsonl_docs
+
+
+def jsonl_records(blocks, key: str, report, base, first: int) -> Iterator[Record | Skip]:
+    """Each line's whole JSON object (for a transform), numbered as jsonl_docs numbers its
+    documents; what is not an object is reported."""
+    done = first
+    for data in blocks:
+        raws = data.split(b"\n")
+        if data.endswith(b"\n"):
+            raws.pop()
+        for n, raw in enumerate(raws, done + 1):
+            line, utf8_error = _decoded(raw)
+            try:
+                obj = json.loads(line)
+            except (ValueError, TypeError, RecursionError):
+                obj = None
+            if type(obj) is dict:
+                yield Record(obj, n, partial(_line_place, base, n - first))
+            elif problem := _json_problem(line, utf8_error, key):
+                yield report(f"line {base() + n - first}", *problem)
+        done += len(raws)
+
+
+def _line_place(base, n: int) -> str:
+    return f"line {base() + n}"
+
+
+def _json_problem(line: str | None, utf8_error: str | None, key: str) -> tuple[str, str] | None:
+    """(reason, detail) for a JSONL line that gave no text; None for a blank line."""
+    if line is None:
+        return "invalid_utf8", utf8_error
+    if not line.strip(_WS):
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return "malformed_json", f"{e.msg}: column {e.colno}"
+    except RecursionError:
+        return "malformed_json", "nested too deeply"
+    except ValueError as e:  # not a JSONDecodeError: an integer of more than 4,300 digits
+        return "malformed_json", str(e)
+    if not isinstance(obj, dict):
+        return "malformed_json", f"expected a JSON object, got {kind(obj)}"
+    return "missing_field", f"no {key!r} key; keys are {', '.join(map(repr, list(obj)[:5])) or 'none'}"
+
+
+_KINDS = {type(None): "null", bool: "a boolean", int: "a number", float: "a number",
+          str: "a string", list: "an array", dict: "an object"}
+
+
+def kind(value) -> str:
+    """What a decoded JSON value is, for messages: kind(None) == "null", kind([]) == "an array"."""
+    return _KINDS.get(type(value), type(value).__name__)
