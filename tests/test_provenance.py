@@ -56,6 +56,8 @@ def write_inputs(d: Path) -> None:
     (d / "e.json").write_text("".join(  # JSON Lines named .json: cut in byte ranges too
         ("{bad\n" if i % 29 == 5 else json.dumps({"text": text_of(i, "e")}) + "\n")
         for i in range(140)))
+    (d / "g.json").write_text(json.dumps(  # one array: .src numbers its elements
+        [{"text": text_of(i, "a")} for i in range(60)], indent=1))
     with open(d / "f.csv", "w", newline="") as f:  # rows, one with a quoted newline
         w = csv.writer(f)
         w.writerow(["id", "text"])
@@ -102,6 +104,8 @@ def document(file: str, line: int, txt_mode: str) -> str:
         return pq.read_table(file).column("text")[line - 1].as_py()
     if file.endswith(".jsonl.gz"):
         return json.loads(gzip.open(file, "rt").read().split("\n")[line - 1])["text"]
+    if file.endswith("g.json"):
+        return json.loads(Path(file).read_text())[line - 1]["text"]
     if file.endswith((".jsonl", ".json")):
         return json.loads(Path(file).read_text().split("\n")[line - 1])["text"]
     if file.endswith(".csv"):
@@ -132,7 +136,8 @@ def check_rows(store: Path, txt_mode: str, layout: str, steps=(0, 1, 5, 11)) -> 
                 got = []
                 for p in o.pieces:
                     assert p.file is not None and os.path.isabs(p.file), p
-                    kind = " row " if p.file.endswith((".parquet", ".csv")) else ":"
+                    kind = (" row " if p.file.endswith((".parquet", ".csv")) else
+                            " element " if p.file.endswith("g.json") else ":")
                     assert p.source == f"{p.file}{kind}{p.line}"
                     ids, _ = encode_documents(TOK, [document(p.file, p.line, txt_mode)])
                     got.append(ids[p.token_offset:p.token_offset + p.tokens])
@@ -146,7 +151,8 @@ def check_rows(store: Path, txt_mode: str, layout: str, steps=(0, 1, 5, 11)) -> 
 @pytest.mark.parametrize("layout", ["concat", "packed"])
 def test_every_piece_is_its_source_line_tokenized_again(stores, layout):
     named = check_rows(*stores["mixed"], layout, steps=range(0, 40, 3))
-    assert named == {"a.jsonl", "b.parquet", "c.jsonl.gz", "lines.txt", "e.json", "f.csv"}
+    assert named == {"a.jsonl", "b.parquet", "c.jsonl.gz", "lines.txt", "e.json", "f.csv",
+                     "g.json"}
     assert check_rows(*stores["paragraphs"], layout) == {"para.txt"}
     assert len(check_rows(*stores["files"], layout)) > 1
 

@@ -154,6 +154,14 @@ def test_csv_missing_column_names_the_columns(tmp_path):
             "choose the column with --text-key") in err, err
 
 
+def test_csv_naming_the_text_column_twice_is_refused_not_guessed(tmp_path):
+    path = tmp_path / "dup.csv"
+    path.write_text("text,text\na,b\n")
+    got = list(read_documents(str(path), SourceConfig(on_error="skip")))
+    assert [(x.where, x.reason) for x in got] == [("file", "malformed_row")]
+    assert "names column 'text' 2 times" in got[0].detail
+
+
 def test_csv_bad_rows_are_skipped_by_row_and_line(tmp_path):
     path = tmp_path / "data.csv"
     path.write_bytes(b'id,text\n1,"one\ntwo"\n2,three,extra\n\n3,\n4,bad \xff byte\n5,five\n')

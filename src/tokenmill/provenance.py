@@ -14,6 +14,7 @@ missing or damaged) says "source unknown", never an error.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -26,6 +27,7 @@ from tokenmill.errors import StoreError
 from tokenmill.io import read_bytes
 from tokenmill.plan import BatchPlan, SampleSource
 from tokenmill.store.format import SOURCES, Origins, parse_src
+from tokenmill.tabular import json_layout
 
 __all__ = ["Piece", "RowOrigin", "SOURCE_UNKNOWN", "explain_positions", "source_name"]
 
@@ -41,7 +43,7 @@ class Piece(NamedTuple):
     shard_document: int  # document number within its shard (the Megatron .idx's index)
     token_offset: int  # offset in the document of the piece's first token
     tokens: int  # tokens of the document in the row (inputs and targets: up to seq_len + 1)
-    source: str  # "file:line", "file row N", or "source unknown"
+    source: str  # "file:line", "file row N", "file element N" (a .json array) or "source unknown"
     file: str | None = None  # the input file, as prepare recorded it (None: not recorded)
     line: int | None = None  # 1-based line (or row: Parquet, Arrow) where the document starts
 
@@ -57,11 +59,25 @@ class RowOrigin(NamedTuple):
 
 
 def source_name(file: str, line: int) -> str:
-    """How a document's origin is shown.
+    """How a document's origin is shown; a .json holding one array numbers its elements.
 
     source_name("d/a.jsonl", 12) == "d/a.jsonl:12"; source_name("d/b.parquet", 3) == "d/b.parquet row 3"
     """
-    return f"{file} row {line}" if file.lower().endswith(ROW_FORMATS) else f"{file}:{line}"
+    if file.lower().endswith(ROW_FORMATS):
+        return f"{file} row {line}"
+    if file.lower().endswith(".json"):
+        return f"{file} element {line}" if _json_array(file) else f"{file}:{line}"
+    return f"{file}:{line}"
+
+
+@functools.lru_cache(maxsize=256)
+def _json_array(file: str) -> bool:
+    """Whether a .json input holds one array (its .src numbers elements, not lines); a file that
+    cannot be read any more is taken for JSON Lines, the common form."""
+    try:
+        return json_layout(file) == "array"
+    except (OSError, ValueError, ImportError):
+        return False
 
 
 class _Sidecars:

@@ -90,6 +90,10 @@ def read_csv(path: str, fmt: str, config: SourceConfig, report: Report) -> Itera
             yield report("file", "missing_field", f"no column {key!r}; columns are "
                          f"{', '.join(map(repr, header[:8]))}")
             return
+        if header.count(key) > 1 and not config.records:
+            yield report("file", "malformed_row", f"the header names column {key!r} "
+                         f"{header.count(key)} times; rename all but one")
+            return
         index = header.index(key) if key in header else -1
         yield from _rows(rows, lines.bad, (index, len(header)), key, report,
                          header if config.records else None)
