@@ -71,7 +71,55 @@ def open_stream(inputs: str | os.PathLike | Sequence, *, tokenizer: str = "bytes
                                               batch_size=int(batch_size)))
 
 
-class StreamLoader:
+class Iteration:
+    """One iterator's token: ``why`` is set when the loader moved on without it."""
+
+    __slots__ = ("why",)
+
+    def __init__(self):
+        self.why: str | None = None
+
+
+class OneIterator:
+    """The lifetime a stream loader shares (``StreamLoader``, ``MixedStreamLoader``): one live
+    iterator at a time — ``iter()``, ``load_state_dict`` and ``close`` retire the earlier one,
+    whose next ``next()`` raises StaleIterator — and ``close`` runs ``self._finalizer``."""
+
+    _closed = False
+    _iterating: Iteration | None = None
+    _consumed = 0
+
+    def _new_iteration(self) -> Iteration:
+        """The token of a new iterator, the earlier one retired."""
+        if self._closed:
+            raise StaleIterator("this loader is closed")
+        self._retire(f"this loader was iterated again (a new iter() on it) after this iterator "
+                     f"was made; its batches continue in the new iterator, from consumed_samples"
+                     f"={self._consumed:,}. Keep one iterator (it = iter(loader)) to call "
+                     "next(it) inside a loop")
+        self._iterating = token = Iteration()
+        return token
+
+    def _retire(self, why: str) -> None:
+        if self._iterating is not None:
+            self._iterating.why = why
+        self._iterating = None
+
+    def close(self) -> None:
+        """Stop the producer threads and worker processes, release the cache; safe to call
+        twice."""
+        self._closed = True
+        self._retire("this loader is closed")
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class StreamLoader(OneIterator):
     """Batches straight from raw text (tokenized by worker processes), cached as a store.
 
     Made by ``Loader.from_text`` (``open_stream``); the same batch interface as ``Loader``: dicts
@@ -93,8 +141,6 @@ class StreamLoader:
         self.ready_batches = READY_BATCHES  # batches the producer assembles ahead
         self._producer: list[Producer | None] = [None]  # shared with the finalizer
         self._error: BaseException | None = None
-        self._closed = False
-        self._iterating: Iteration | None = None
         self._finalizer = weakref.finalize(self, _shutdown, self._producer)
 
     # ---- the stream -------------------------------------------------------------------------
@@ -138,19 +184,7 @@ class StreamLoader:
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         """Batches from the current position. An earlier iterator raises StaleIterator at its
         next ``next()`` (never ends quietly) once the loader is iterated again, loaded or closed."""
-        if self._closed:
-            raise StaleIterator("this loader is closed")
-        self._retire(f"this loader was iterated again (a new iter() on it) after this iterator "
-                     f"was made; its batches continue in the new iterator, from consumed_samples"
-                     f"={self._consumed:,}. Keep one iterator (it = iter(loader)) to call "
-                     "next(it) inside a loop")
-        self._iterating = token = Iteration()
-        return self._batches(token)
-
-    def _retire(self, why: str) -> None:
-        if self._iterating is not None:
-            self._iterating.why = why
-        self._iterating = None
+        return self._batches(self._new_iteration())
 
     def _batches(self, token: Iteration) -> Iterator[dict[str, np.ndarray]]:
         while True:
@@ -231,30 +265,6 @@ class StreamLoader:
                      "made; make a new iterator (iter(loader)) to continue from there")
         self._consumed, self._pass_samples, self._hint = k, n, hint
         self._error = None
-
-    # ---- lifetime ---------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Stop the thread and the worker processes, release the cache; safe to call twice."""
-        self._closed = True
-        self._retire("this loader is closed")
-        self._finalizer()
-
-    def __enter__(self) -> StreamLoader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class Iteration:
-    """One iterator's token: ``why`` is set when the loader moved on without it."""
-
-    __slots__ = ("why",)
-
-    def __init__(self):
-        self.why: str | None = None
-
 
 def _shutdown(holder: list) -> None:
     producer, holder[0] = holder[0], None

@@ -36,7 +36,7 @@ from tokenmill import sampler
 from tokenmill.errors import ConfigError, StaleIterator
 from tokenmill.mixture import Mixture, described_phases, mixture_of
 from tokenmill.plan import MAX_CONSUMED, resolve_rank
-from tokenmill.streaming.loader import Iteration, StreamLoader, open_stream
+from tokenmill.streaming.loader import Iteration, OneIterator, StreamLoader, open_stream
 from tokenmill.streaming.plan import STATE_VERSION, digest, resolve_stream_workers
 from tokenmill.streaming.producer import READY_BATCHES
 from tokenmill.streaming.rows import new_batch
@@ -104,7 +104,7 @@ def draws_before(phases: sampler.Phases, k: int) -> np.ndarray:
     return out
 
 
-class MixedStreamLoader:
+class MixedStreamLoader(OneIterator):
     """Batches from a mixture of text sources, each tokenized on the fly (see the module
     docstring); the batch interface of ``Loader`` and ``StreamLoader``."""
 
@@ -125,9 +125,7 @@ class MixedStreamLoader:
         self._consumed = 0
         self._states = [s.state_dict() for s in sources]  # each source's, at _consumed
         self._iters: list[Iterator | None] = [None] * len(sources)
-        self._iterating: Iteration | None = None
         self._error: BaseException | None = None
-        self._closed = False
         self._finalizer = weakref.finalize(self, _close_all, list(sources))
 
     @property
@@ -146,19 +144,11 @@ class MixedStreamLoader:
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         """Batches from the current position; an earlier iterator raises StaleIterator."""
-        if self._closed:
-            raise StaleIterator("this loader is closed")
-        self._retire(f"this loader was iterated again (a new iter() on it) after this iterator "
-                     f"was made; its batches continue in the new iterator, from consumed_samples"
-                     f"={self._consumed:,}")
-        self._iterating = token = Iteration()
-        return self._batches(token)
+        return self._batches(self._new_iteration())
 
     def _retire(self, why: str) -> None:
-        if self._iterating is not None:
-            self._iterating.why = why
-        self._iterating = None
-        self._iters = [None] * len(self.sources)
+        super()._retire(why)
+        self._iters = [None] * len(self.sources)  # the sources' iterators of the retired one
 
     def _batches(self, token: Iteration) -> Iterator[dict[str, np.ndarray]]:
         GB, B = self.global_batch_size, self.batch_size
@@ -233,21 +223,6 @@ class MixedStreamLoader:
                      "made; make a new iterator (iter(loader)) to continue from there")
         self._consumed, self._error = k, None
         self._states = [s.state_dict() for s in self.sources]
-
-    # ---- lifetime ---------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Stop every source's thread and workers; safe to call twice."""
-        self._closed = True
-        self._retire("this loader is closed")
-        self._finalizer()
-
-    def __enter__(self) -> MixedStreamLoader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 def _close_all(sources: list) -> None:
     for s in sources:
