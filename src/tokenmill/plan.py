@@ -39,7 +39,7 @@ from tokenmill.store.reader import TokenStore
 
 __all__ = [
     "BatchPlan", "LAYOUTS", "LayoutConfig", "MAX_CONSUMED", "PlanSpec", "STATE_VERSION",
-    "SampleSource", "StoreIdentity", "batch_at", "check_identity", "check_tokenizers",
+    "SampleSource", "StoreIdentity", "batch_arrays", "batch_at", "check_identity", "check_tokenizers",
     "consumed_of", "fingerprint_of", "global_positions", "identity_of", "open_sources",
     "plan_from_spec", "resolve_rank",
 ]
@@ -315,6 +315,17 @@ def plan_from_spec(spec: PlanSpec) -> BatchPlan:
 
 # ---- the plan -----------------------------------------------------------------------------------
 
+def batch_arrays(batch_size: int, seq_len: int, dtype, packed: bool) -> dict[str, np.ndarray]:
+    """Empty arrays of one batch: inputs/targets of ``dtype``, and for packed rows segment_ids,
+    positions (int32) and loss_mask (uint8)."""
+    shape = (batch_size, seq_len)
+    out = {"inputs": np.empty(shape, dtype), "targets": np.empty(shape, dtype)}
+    if packed:
+        out.update(segment_ids=np.empty(shape, np.int32), positions=np.empty(shape, np.int32),
+                   loss_mask=np.empty(shape, np.uint8))
+    return out
+
+
 class BatchPlan:
     """Pure mapping from global sample positions to filled batch rows (no state but a cache)."""
 
@@ -364,12 +375,7 @@ class BatchPlan:
 
     def new_buffers(self, batch_size: int) -> dict[str, np.ndarray]:
         """Freshly allocated arrays for one batch."""
-        shape = (batch_size, self.seq_len)
-        bufs = {"inputs": np.empty(shape, self.dtype), "targets": np.empty(shape, self.dtype)}
-        if self.packed:
-            bufs.update(segment_ids=np.empty(shape, np.int32), positions=np.empty(shape, np.int32),
-                        loss_mask=np.empty(shape, np.uint8))
-        return bufs
+        return batch_arrays(batch_size, self.seq_len, self.dtype, self.packed)
 
     def resolve(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(store id, address) of every global sample position."""

@@ -34,6 +34,7 @@ import numpy as np
 
 from tokenmill import pack
 from tokenmill.errors import ConfigError
+from tokenmill.plan import batch_arrays
 from tokenmill.sampler import epoch_permutation, exclusive_cumsum, ranges
 from tokenmill.store.reader import TokenStore
 from tokenmill.streaming.plan import Cursor, StreamPlan
@@ -119,13 +120,8 @@ def pass_length(plan: StreamPlan, store: TokenStore) -> int:
 
 def new_batch(plan: StreamPlan, batch_size: int) -> dict[str, np.ndarray]:
     """Empty batch arrays: int32 inputs/targets, and for packed rows the store Loader's
-    segment_ids, positions (int32) and loss_mask (uint8)."""
-    shape = (batch_size, plan.seq_len)
-    out = {"inputs": np.empty(shape, np.int32), "targets": np.empty(shape, np.int32)}
-    if plan.packed:
-        out.update(segment_ids=np.empty(shape, np.int32), positions=np.empty(shape, np.int32),
-                   loss_mask=np.empty(shape, np.uint8))
-    return out
+    metadata arrays."""
+    return batch_arrays(batch_size, plan.seq_len, np.int32, plan.packed)
 
 
 
