@@ -234,6 +234,18 @@ def s3(s3_endpoint, monkeypatch, tmp_path):
 
 # ---- batch streams ----------------------------------------------------------------------------
 
+def kill_after_first_commit(proc, out: Path) -> None:
+    """kill -9 a running prepare into ``out`` once it has committed a shard (not yet finished)."""
+    import time
+    deadline = time.monotonic() + 60
+    while not list((out / ".progress").glob("shard-*.json")) and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    proc.kill()
+    proc.wait()
+    assert not (out / "manifest.json").exists(), "finished before the kill: grow the corpus"
+
+
 def take(batches, n: int | None = None) -> list[dict]:
     """The next ``n`` batches (all, if None) of an iterable, every array copied to numpy: a loader
     may reuse its buffers once we let go of a batch (torch/jax arrays are copied too)."""

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from conftest import docs_of, store_bytes, write_jsonl
+from conftest import docs_of, kill_after_first_commit, store_bytes, write_jsonl
 from tokenmill.errors import ConcurrentWriterError, ConfigError, InputError, StoreError
 from tokenmill.prepare import prepare
 from tokenmill.store import TokenStore, verify_store
@@ -393,22 +393,12 @@ def _script(tmp_path: Path, inputs, cwd=None, wait=True, **args):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=120)
 
 
-def _kill_after_first_commit(proc: subprocess.Popen, out: Path) -> None:
-    deadline = time.monotonic() + 60
-    while not list((out / ".progress").glob("shard-*.json")) and proc.poll() is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.002)
-    proc.kill()
-    proc.wait()
-    assert not (out / "manifest.json").exists(), "finished before the kill: grow the corpus"
-
-
 def test_path_spellings_are_one_input_and_other_settings_say_what_differs(tmp_path, real_texts):
     (tmp_path / "in").mkdir()
     write_jsonl(tmp_path / "in" / "x.jsonl", real_texts[:400])
     spellings = ["./in/x.jsonl", "in/x.jsonl", str(tmp_path / "in" / "x.jsonl")]
     opts = dict(out="store", workers=1, shard_tokens=20_000, unit_bytes=20_000)
-    _kill_after_first_commit(_script(tmp_path, [spellings[0]], tmp_path, wait=False, **opts),
+    kill_after_first_commit(_script(tmp_path, [spellings[0]], tmp_path, wait=False, **opts),
                              tmp_path / "store")
     done = _script(tmp_path, [spellings[1]], tmp_path, **opts)  # resumes the other spelling's run
     assert done.returncode == 0, done.stderr
@@ -424,7 +414,7 @@ def test_path_spellings_are_one_input_and_other_settings_say_what_differs(tmp_pa
 def test_an_unfinished_run_with_other_settings_says_what_differs(tmp_path, real_texts):
     write_jsonl(tmp_path / "x.jsonl", real_texts[:400])
     opts = dict(out="store", workers=1, shard_tokens=20_000, unit_bytes=20_000)
-    _kill_after_first_commit(_script(tmp_path, ["x.jsonl"], tmp_path, wait=False, **opts),
+    kill_after_first_commit(_script(tmp_path, ["x.jsonl"], tmp_path, wait=False, **opts),
                              tmp_path / "store")
     other = _script(tmp_path, ["x.jsonl"], tmp_path, **{**opts, "shard_tokens": 30_000})
     assert other.returncode != 0 and "unfinished" in other.stderr
@@ -455,7 +445,7 @@ def test_the_manifest_and_messages_never_hold_credentials(tmp_path):
 def test_a_resume_says_which_input_changed_under_the_same_size_and_mtime(tmp_path, real_texts):
     x = write_jsonl(tmp_path / "x.jsonl", real_texts[:400])
     opts = dict(out="store", workers=1, shard_tokens=20_000, unit_bytes=20_000)
-    _kill_after_first_commit(_script(tmp_path, ["x.jsonl"], tmp_path, wait=False, **opts),
+    kill_after_first_commit(_script(tmp_path, ["x.jsonl"], tmp_path, wait=False, **opts),
                              tmp_path / "store")
     stat, data = x.stat(), x.read_bytes()
     assert b"the " in data[:20_000]

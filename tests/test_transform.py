@@ -10,14 +10,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import docs_of, store_bytes, write_jsonl
+from conftest import docs_of, kill_after_first_commit, store_bytes, write_jsonl
 from tokenmill.errors import ConfigError
 from tokenmill.prepare import prepare
 from tokenmill.prepare.split import keep_side, kept_indices
@@ -112,16 +111,6 @@ def script(site: Path, out: str, wait=True, env=None, **options):
     if not wait:
         return subprocess.Popen(argv, cwd=site, env=env, stderr=subprocess.DEVNULL)
     return subprocess.run(argv, cwd=site, capture_output=True, text=True, env=env, timeout=120)
-
-
-def kill_after_first_commit(proc: subprocess.Popen, out: Path) -> None:
-    deadline = time.monotonic() + 60
-    while not list((out / ".progress").glob("shard-*.json")) and proc.poll() is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.002)
-    proc.kill()
-    proc.wait()
-    assert not (out / "manifest.json").exists(), "finished before the kill: grow the corpus"
 
 
 # ---- transform -------------------------------------------------------------------------------
