@@ -115,6 +115,14 @@ def test_the_default_measures_the_hand_off_once_after_the_first_batch(store):
         assert 0 < pacing.round_trip_s(pool.submit, 3) < 1.0
 
 
+def force_ahead(monkeypatch) -> None:
+    """Every batch is costlier than a hand-off: the default goes ahead at once and stays there,
+    whatever its waits."""
+    monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
+    monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind="thread": -1.0)
+    monkeypatch.setattr(pacing, "AHEAD_TRIAL", 10**9)
+
+
 @pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
 def test_default_switching_modes_mid_run_gives_the_same_batches_and_resumes(store, monkeypatch):
     with Loader(store, seq_len=L, batch_size=4, num_workers=0) as ref:
@@ -130,17 +138,13 @@ def test_default_switching_modes_mid_run_gives_the_same_batches_and_resumes(stor
             got.append({n: a.copy() for n, a in next(it).items()})
         assert same(got, want) and ld.consumed_samples == 240
     # every batch "costly": goes ahead at once
-    monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
-    monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind="thread": -1.0)
-    monkeypatch.setattr(pacing, "AHEAD_TRIAL", 10**9)  # and stays there, whatever the waits
+    force_ahead(monkeypatch)
     assert_resumes_exactly(lambda: Loader(store, seq_len=L, batch_size=4), steps=12)
 
 
 @pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
 def test_the_meter_and_stats_say_which_mode_and_why(store, monkeypatch):
-    monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
-    monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind="thread": -1.0)
-    monkeypatch.setattr(pacing, "AHEAD_TRIAL", 10**9)  # and stays there, whatever the waits
+    force_ahead(monkeypatch)
     monkeypatch.setattr(pacing, "WAIT_FRACTION", 0.0)
     with Loader(store, seq_len=L, batch_size=4) as ld:
         meter = Meter(ld)
@@ -157,9 +161,7 @@ def test_the_meter_and_stats_say_which_mode_and_why(store, monkeypatch):
 
 @pytest.mark.skipif(usable_cores() < 2, reason="the default is inline-only on one core")
 def test_default_with_process_workers_goes_ahead_with_the_same_batches(store, monkeypatch):
-    monkeypatch.setattr(pacing, "HANDOFF_S", -1.0)
-    monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind="thread": -1.0)
-    monkeypatch.setattr(pacing, "AHEAD_TRIAL", 10**9)  # and stays there, whatever the waits
+    force_ahead(monkeypatch)
     monkeypatch.setattr(pacing, "WAIT_FRACTION", 0.0)
     with Loader(store, seq_len=L, batch_size=4, num_workers=0) as ref:
         want = take(ref, 30)
