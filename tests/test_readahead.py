@@ -97,3 +97,18 @@ def test_inputs_given_as_a_generator_are_all_prepared(tmp_path):
     paths = [write_jsonl(tmp_path / f"{i}.jsonl", TEXTS[i::2]) for i in range(2)]
     prepare((str(p) for p in paths), out=tmp_path / "s", workers=1, progress=False)
     assert len(docs_of(tmp_path / "s")) == len(TEXTS)
+
+
+def test_a_compressed_input_is_planned_once(tmp_path, monkeypatch):
+    """Planning a .jsonl.gz decompresses it whole: the early reader (which does not take
+    compressed inputs) must not plan it before start_run does."""
+    import gzip
+    from tokenmill import readers
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in TEXTS)
+    calls = []
+    plan = readers.plan_stream
+    monkeypatch.setattr(readers, "plan_stream", lambda *a: calls.append(a) or plan(*a))
+    prepare(str(tmp_path / "a.jsonl.gz"), out=str(tmp_path / "s"), workers=1, progress=False)
+    assert len(calls) == 1
+    assert [bytes(d[:-1]).decode() for d in docs_of(tmp_path / "s")] == TEXTS

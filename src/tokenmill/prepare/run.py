@@ -37,6 +37,7 @@ from tokenmill.prepare.pool import ReadAhead, UnitPool, ordered_results
 from tokenmill.prepare.tokenize import (PrepareConfig, UnitResult, engine_option, engine_record,
                                         input_name, unit_digest)
 from tokenmill.procs import resolve_workers, usable_cores
+from tokenmill.records import COMPRESSED
 from tokenmill.store.format import SOURCES, Origins
 from tokenmill.store.upload import RemoteOut
 from tokenmill.store.writer import StoreWriter, WriterConfig
@@ -209,10 +210,12 @@ def early_reader(inputs, config: PrepareConfig, storage_options) -> ReadAhead | 
     try:
         listing = sources.list_inputs(inputs, on_error=config.on_error,
                                       storage_options=storage_options)
+        # before planning: planning a compressed stream decompresses it whole (start_run would
+        # do that a second time), and its units' bytes come from the parent anyway
+        if any(sources.format_of(f) in COMPRESSED for f in listing.files):
+            return None
         units = sources.plan_units(listing.files, config.source_config(storage_options))
     except Exception:  # noqa: BLE001 - start_run lists them again and reports the problem
-        return None
-    if any(sources.needs_payload(u) for u in units):
         return None
     return ReadAhead(units, config, storage_options)
 
