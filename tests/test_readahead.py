@@ -97,6 +97,9 @@ def test_inputs_given_as_a_generator_are_all_prepared(tmp_path):
     paths = [write_jsonl(tmp_path / f"{i}.jsonl", TEXTS[i::2]) for i in range(2)]
     prepare((str(p) for p in paths), out=tmp_path / "s", workers=1, progress=False)
     assert len(docs_of(tmp_path / "s")) == len(TEXTS)
+    both = prepare((str(p) for p in paths), out=tmp_path / "split", workers=1, progress=False,
+                   val_fraction=0.3)  # two passes over the inputs
+    assert sum(m["num_documents"] for m in both.values()) == len(TEXTS)
 
 
 def test_a_compressed_input_is_planned_once(tmp_path, monkeypatch):

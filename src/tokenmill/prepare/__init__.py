@@ -58,6 +58,8 @@ def prepare(inputs: str | Sequence[str], *, out: str | os.PathLike, tokenizer: s
     ``val_fraction=F``: two stores, ``out/train`` and ``out/val``, documents split by a hash of
     their text (see ``prepare.split``); returns ``{"train": manifest, "val": manifest}``.
     """
+    if not isinstance(inputs, (str, os.PathLike)):
+        inputs = list(inputs)  # a generator is read more than once: early reader, run, split
     one = functools.partial(prepare_one, inputs, tokenizer=tokenizer, workers=workers,
                             progress=progress, overwrite=overwrite,
                             storage_options=storage_options, engine=engine,

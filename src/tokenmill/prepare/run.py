@@ -184,8 +184,6 @@ def prepare_local(inputs, *, out, tokenizer: str, workers: int | str, overwrite:
     units ahead, start while the parent loads its tokenizer and takes the output."""
     config = PrepareConfig(tokenizer=tokenizer, **engine_option(options))
     early = auto_workers(likely_engine(config)) if workers == "auto" else resolve_workers(workers)
-    if not isinstance(inputs, (str, os.PathLike)):
-        inputs = list(inputs)  # listed twice: by the early reader, then by start_run
     ahead = early_reader(inputs, config, storage_options) if early == 1 else None
     try:
         with UnitPool(early, config, storage_options) if early > 1 else nullcontext() as pool:
