@@ -14,7 +14,7 @@ from tokenmill.errors import ConfigError, StoreError
 from tokenmill.loader import Loader
 from tokenmill.plan import (BatchPlan, LayoutConfig, batch_at, check_identity, consumed_of,
                             global_positions, identity_of, plan_from_spec)
-from tokenmill.rows import SLICE_SEGMENTS
+from tokenmill.rows import SLICE_SEGMENTS, one_piece_starts
 from tokenmill.store import TokenStore
 
 L = 8
@@ -126,7 +126,7 @@ def test_packed_rows_by_slices_equal_the_index_gather_path(tmp_path, dtype):
         for a, b in zip(got.values(), want.values()):
             a.fill(7)
             b.fill(7)
-        sliced = src.rows.packed(src.packed, addrs, rows, got)
+        sliced = src.rows.packed(src.packed, addrs, src.row_starts(addrs), rows, got)
         compared += sliced
         n_segs = int(src.packed.row_ptr[addrs + 1].sum() - src.packed.row_ptr[addrs].sum())
         assert sliced == (n_segs <= SLICE_SEGMENTS)  # more: left to the index gather
@@ -151,3 +151,30 @@ def test_asking_the_kernel_for_pages_first_changes_no_byte(tmp_path):
     b.sources[0].rows.will_need(5_990, 64)  # across a shard's end: clamped to the shard
     a.close()
     b.close()
+
+
+def test_windows_read_the_right_shard_whatever_the_previous_row_read(tmp_path):
+    # a row reuses the previous row's shard only when it lies inside it: rows that cross an end,
+    # go back a shard, stay, skip ahead, start at 0 and end at the last token, in one batch
+    path = write_positional_store(tmp_path / "s", np.full(100, 50), shard_tokens=1_000)
+    plan = BatchPlan.open(path, LayoutConfig(seq_len=64))
+    rows = plan.sources[0].rows
+    starts = [990, 1_010, 900, 1_500, 0, 4_935, 2_000 - 65, 2_000 - 64, 1_999, 3_100]
+    out = plan.new_buffers(len(starts))
+    rows.windows(starts, slice(0, len(starts)), out)
+    for i, s in enumerate(starts):
+        assert out["inputs"][i].tolist() == list(range(s, s + 64)), s
+        assert out["targets"][i].tolist() == list(range(s + 1, s + 65)), s
+    plan.close()
+
+
+def test_one_piece_starts_mark_exactly_the_rows_of_one_whole_piece(tmp_path):
+    lengths = lengths_summing_to(20_000, docs=200, longest=150, seed=2)
+    layout = pack.pack_documents(lengths, seq_len=64)
+    ids = np.arange(layout.num_rows)
+    got = one_piece_starts(layout, ids)
+    for r, s in zip(ids.tolist(), got):
+        a, b = layout.row_ptr[r], layout.row_ptr[r + 1]
+        whole = b - a == 1 and layout.seg_len[a] == 65
+        assert s == (int(layout.seg_start[a]) if whole else -1)
+    assert 0 < got.count(-1) < len(got)

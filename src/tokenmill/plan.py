@@ -33,7 +33,7 @@ from tokenmill import pack, sampler
 from tokenmill.errors import ConfigError, StoreError
 from tokenmill.io import FileId, file_id, redact
 from tokenmill.mixture import Mixture, mixture_of
-from tokenmill.rows import RowFiller, distinct
+from tokenmill.rows import RowFiller, as_slice, distinct, one_piece_starts
 from tokenmill.store.format import MANIFEST, read_manifest
 from tokenmill.store.reader import TokenStore
 
@@ -161,12 +161,24 @@ class SampleSource:
             out[sel] = pack.concat_starts(ids[sel], seq_len=self.config.seq_len, offset=offset)
         return out
 
+    def row_starts(self, addrs: np.ndarray) -> list[int]:
+        """Per address, the global token its row's seq_len + 1 tokens start at when they are one
+        run (every concat window; a packed row that is one piece of one document), else -1."""
+        if self.packed is None:
+            return addrs.tolist()
+        return one_piece_starts(self.packed, addrs)
+
     def fill(self, addrs: np.ndarray, rows: np.ndarray, out: dict[str, np.ndarray]) -> None:
         """Write the samples at ``addrs`` into rows ``rows`` (ascending) of the batch ``out``."""
+        self.fill_at(addrs, self.row_starts(addrs), as_slice(rows), out)
+
+    def fill_at(self, addrs: np.ndarray, starts: list[int], dest: slice | np.ndarray,
+                out: dict[str, np.ndarray]) -> None:
+        """``fill`` with the addresses' ``row_starts`` known, into batch rows ``dest``."""
         if self.packed is None:
-            self.rows.windows(addrs, rows, out)
-            return
-        if not self.rows.packed(self.packed, addrs, rows, out):  # few segments: the usual case
+            self.rows.windows(starts, dest, out)
+        elif not self.rows.packed(self.packed, addrs, starts, dest, out):  # many segments
+            rows = np.arange(dest.start, dest.stop) if isinstance(dest, slice) else dest
             pack.fill_packed_rows(self.packed, addrs, self.store.tokens, out, rows,
                                   gather=self.rows.gather)
 
@@ -347,8 +359,9 @@ class BatchPlan:
         self.samples_per_epoch = sum(s.num_samples for s in sources)
         self.identities = [identity_of(s.store) for s in sources]
         self._closes = list(closes)  # the stores this plan opened itself
-        self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._rows: dict[int, np.ndarray] = {}  # arange(n) per batch size: 0.2 µs a batch saved
+        self._blocks: dict[int, tuple[np.ndarray, np.ndarray, list[int] | None]] = {}
+        self._last: tuple = (-1, None)  # the block used last: (b, its _blocks entry)
+        self._dest: dict[int, slice] = {}  # slice(0, n) per batch size
         self._lock = threading.Lock()
         self._watched = time.monotonic()
 
@@ -382,17 +395,26 @@ class BatchPlan:
         first, last = int(positions[0]), int(positions[-1])
         b = first // self.BLOCK
         if last // self.BLOCK == b and last - first == len(positions) - 1:  # the usual case
-            sid, addr = self._block(b)
+            sid, addr, _ = self._block(b)
             lo = first - b * self.BLOCK
             return sid[lo:lo + len(positions)], addr[lo:lo + len(positions)]
         blocks = positions // self.BLOCK
         parts = [self.resolve(positions[blocks == b]) for b in distinct(blocks)]
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
-    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray, list[int] | None]:
+        """Store ids, addresses and (one store) row starts of the positions of block ``b``."""
+        last = self._last  # one tuple, read at once: no lock needed for the usual hit
+        if last[0] == b:
+            return last[1]
         with self._lock:
-            if (hit := self._blocks.get(b)) is not None:
-                return hit
+            hit = self._blocks.get(b)
+        if hit is None:
+            hit = self._new_block(b)
+        self._last = (b, hit)
+        return hit
+
+    def _new_block(self, b: int) -> tuple[np.ndarray, np.ndarray, list[int] | None]:
         pos = np.arange(b * self.BLOCK, (b + 1) * self.BLOCK, dtype=np.int64)
         if self.schedule is None:
             sid, draws = np.zeros(len(pos), np.int64), pos
@@ -402,24 +424,35 @@ class BatchPlan:
         for s in distinct(sid):
             sel = sid == s
             addr[sel] = self.sources[s].addresses(draws[sel])
+        # one store: where each row's tokens start, as Python ints (batches slice this list)
+        starts = self.sources[0].row_starts(addr) if self.schedule is None else None
+        hit = (sid, addr, starts)
         with self._lock:
             if len(self._blocks) >= 8:  # a few blocks cover prefetch across a block boundary
                 self._blocks.pop(next(iter(self._blocks)))
-            self._blocks[b] = (sid, addr)
-        return sid, addr
+            self._blocks[b] = hit
+        return hit
 
     def fill(self, positions: np.ndarray, out: dict[str, np.ndarray]) -> None:
         """Fill ``out`` with the samples at global ``positions`` (one per row)."""
+        n, first = len(positions), int(positions[0])
+        b = first // self.BLOCK
+        if self.schedule is None and (first + n - 1) // self.BLOCK == b and \
+                int(positions[-1]) == first + n - 1:  # a rank's batch: the usual case
+            _, addr, starts = self._block(b)
+            lo = first - b * self.BLOCK
+            dest = self._dest.get(n)
+            if dest is None:
+                dest = self._dest[n] = slice(0, n)
+            self.sources[0].fill_at(addr[lo:lo + n], starts[lo:lo + n], dest, out)
+            return
         self.fill_resolved(self.resolve(positions), out)
 
     def fill_resolved(self, resolved: tuple[np.ndarray, np.ndarray], out: dict) -> None:
         """Fill ``out`` with the samples at the (store id, address) pairs ``resolve`` gave."""
         sid, addr = resolved
         if self.schedule is None:
-            rows = self._rows.get(len(addr))
-            if rows is None:
-                rows = self._rows[len(addr)] = np.arange(len(addr))
-            self.sources[0].fill(addr, rows, out)
+            self.sources[0].fill(addr, np.arange(len(addr)), out)
             return
         for s in distinct(sid):
             rows = np.flatnonzero(sid == s)
@@ -442,7 +475,7 @@ class BatchPlan:
         closes, self._closes = self._closes, []
         for store in closes:
             store.close()
-        self._blocks = {}
+        self._blocks, self._last = {}, (-1, None)
 
 
 def batch_at(plan: BatchPlan, consumed: int, *, batch_size: int, rank: int = 0,

@@ -26,7 +26,7 @@ import numpy as np
 
 from tokenmill.sampler import ranges
 
-__all__ = ["RowFiller", "SLICE_SEGMENTS", "Shards"]
+__all__ = ["RowFiller", "SLICE_SEGMENTS", "Shards", "as_slice", "distinct", "one_piece_starts", "row_at"]
 
 SLICE_SEGMENTS = 32  # up to this many ranges a batch, slice copies beat building index arrays
 SLOW_COPY_S = 500e-6  # a batch's copies this slow read pages from disk (warm: ~10 µs)
@@ -73,27 +73,39 @@ class RowFiller:
         else:
             self.store.copy_tokens(start, out)
 
-    def windows(self, addrs: np.ndarray, rows: np.ndarray, out: dict[str, np.ndarray]) -> None:
-        """Concat windows starting at global tokens ``addrs`` into batch rows ``rows`` (ascending,
-        distinct: as every ``rows`` here)."""
-        buf = self.scratch(len(addrs), self.dtype)  # the store's: cast once, in _inputs_targets
-        starts, shard_of, n = self.starts, self.store.shard, self.seq_len + 1
+    def windows(self, starts: list[int], dest: slice | np.ndarray, out: dict) -> None:
+        """Rows of seq_len + 1 tokens starting at global tokens ``starts`` (concat windows) into
+        batch rows ``dest`` (a slice, or ascending distinct indices) of ``out``."""
+        buf = self.scratch(len(starts), self.dtype)  # the store's: cast once, in _inputs_targets
+        self._copy_rows(starts, buf)
+        self._inputs_targets(buf, dest, out)
+
+    def _copy_rows(self, starts: list[int], buf: np.ndarray) -> None:
+        """``buf[i]`` = global tokens [s, s + seq_len + 1) for every ``s = starts[i]`` >= 0 (a
+        row marked -1 is left alone). This is the hot loop: a shard is looked up only when a
+        row is not inside the previous row's shard."""
+        n, bounds, shard_of = self.seq_len + 1, self.starts, self.store.shard
         t0 = time.perf_counter()
         if self.advising:  # pages were read from disk lately: ask for all of this batch's at once
             self.advising -= 1
-            for s in addrs.tolist():
-                self.will_need(s, n)
-        for i, s in enumerate(addrs.tolist()):  # self.copy, inlined: this is the hot loop
-            k = bisect_right(starts, s) - 1
-            local = s - starts[k]
-            data = shard_of(k)
-            if local + n <= len(data):
-                buf[i] = data[local:local + n]
-            else:
-                self.store.copy_tokens(s, buf[i])
+            for s in starts:
+                if s >= 0:
+                    self.will_need(s, n)
+        lo = hi = 0
+        data = buf  # replaced at the first row: every row starts outside [0, 0)
+        for i, s in enumerate(starts):
+            if s < lo or s + n > hi:
+                if s < 0:
+                    continue
+                k = bisect_right(bounds, s) - 1
+                lo, hi, data = bounds[k], bounds[k + 1], shard_of(k)
+                if s + n > hi:  # across the shard's end: piece by piece
+                    self.store.copy_tokens(s, buf[i])
+                    lo = hi = 0
+                    continue
+            buf[i] = data[s - lo:s - lo + n]
         if time.perf_counter() - t0 > SLOW_COPY_S:
             self.advising = ADVISE_BATCHES
-        self._inputs_targets(buf, rows, out)
 
     def will_need(self, start: int, n: int) -> None:
         """Ask the kernel to read global tokens [start, start + n) now, in the background
@@ -110,43 +122,41 @@ class RowFiller:
         if end > at:
             mm.madvise(mmap.MADV_WILLNEED, at, end - at)
 
-    def _inputs_targets(self, buf: np.ndarray, rows: np.ndarray, out: dict) -> None:
-        dest = as_slice(rows)
+    def _inputs_targets(self, buf: np.ndarray, dest: slice | np.ndarray, out: dict) -> None:
         out["inputs"][dest] = buf[:, :-1]
         out["targets"][dest] = buf[:, 1:]
 
-    def packed(self, layout, addrs: np.ndarray, rows: np.ndarray, out: dict) -> bool:
-        """Packed rows ``addrs`` of ``layout`` (a ``pack.PackedLayout``) into batch rows ``rows``
-        by slice copies, if they hold at most SLICE_SEGMENTS segments (else False: nothing
+    def packed(self, layout, addrs: np.ndarray, starts: list[int], dest: slice | np.ndarray,
+               out: dict) -> bool:
+        """Packed rows ``addrs`` of ``layout`` (a ``pack.PackedLayout``) into batch rows ``dest``
+        by slice copies, if the rows that are not one piece of one document (``starts[i]`` -1:
+        ``one_piece_starts``) hold at most SLICE_SEGMENTS segments (else False: nothing
         written); the same bytes as ``pack.fill_packed_rows``: padding 0, segment ids from 1,
         positions from 0 in each segment, loss_mask 0 on a segment's last token and on padding."""
-        seg = layout.row_ptr[addrs]  # each row's first segment
-        first, last = seg.tolist(), layout.row_ptr[addrs + 1].tolist()
-        if sum(last) - sum(first) > SLICE_SEGMENTS:
-            return False
-        buf = self.scratch(len(addrs), self.dtype)  # the store's: cast once, in _inputs_targets
-        heads, sizes = layout.seg_start[seg].tolist(), layout.seg_len[seg].tolist()
-        capacity, copy = self.seq_len + 1, self.copy
-        odd = []  # rows that are not one segment filling the row: their metadata differs
-        for i, (a, b) in enumerate(zip(first, last)):
-            if b - a == 1 and sizes[i] == capacity:  # the usual row: one piece of a document
-                copy(heads[i], buf[i])
-                continue
+        odd = [i for i, s in enumerate(starts) if s < 0]  # usually none, or one
+        if odd:
+            ids = addrs[odd]
+            first, last = layout.row_ptr[ids].tolist(), layout.row_ptr[ids + 1].tolist()
+            if sum(last) - sum(first) > SLICE_SEGMENTS:
+                return False
+        buf = self.scratch(len(starts), self.dtype)  # the store's: cast once, in _inputs_targets
+        self._copy_rows(starts, buf)
+        pieces = []
+        for i, a, b in zip(odd, first, last) if odd else ():
             lengths = layout.seg_len[a:b].tolist()
             at = 0
             for s, n in zip(layout.seg_start[a:b].tolist(), lengths):
-                copy(s, buf[i, at:at + n])
+                self.copy(s, buf[i, at:at + n])
                 at += n
             buf[i, at:] = 0
-            odd.append((int(rows[i]), lengths))
-        self._inputs_targets(buf, rows, out)
+            pieces.append((row_at(dest, i), lengths))
+        self._inputs_targets(buf, dest, out)
         if "segment_ids" in out:
-            dest = as_slice(rows)
             out["segment_ids"][dest] = 1  # one segment filling the row: the common case
             out["positions"][dest] = self.ramp[:-1]
             out["loss_mask"][dest] = 1
-            for dst, lengths in odd:
-                self._metadata(out, dst, lengths)
+            for row, lengths in pieces:
+                self._metadata(out, row, lengths)
         return True
 
     def _metadata(self, out: dict, dst: int, lengths: list[int]) -> None:
@@ -196,6 +206,25 @@ def as_slice(rows: np.ndarray) -> slice | np.ndarray:
     if last - first == len(rows) - 1:
         return slice(first, last + 1)
     return rows
+
+
+def row_at(dest: slice | np.ndarray, i: int) -> int:
+    """The batch row that item ``i`` of ``dest`` (a slice or an index array) goes to.
+
+    row_at(slice(4, 8), 1) == 5
+    """
+    return dest.start + i if isinstance(dest, slice) else int(dest[i])
+
+
+def one_piece_starts(layout, ids: np.ndarray) -> list[int]:
+    """Per packed row id of ``layout``, the global token its row starts at if the row is one
+    piece of one document filling it (the usual row), else -1.
+
+    one_piece_starts(pack_documents(np.array([5, 2]), seq_len=4), np.array([0, 1])) == [0, -1]
+    """
+    first = layout.row_ptr[ids]
+    whole = (layout.row_ptr[ids + 1] - first == 1) & (layout.seg_len[first] == layout.capacity)
+    return np.where(whole, layout.seg_start[first], -1).tolist()
 
 
 def distinct(values: np.ndarray) -> list[int]:
