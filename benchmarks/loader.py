@@ -16,7 +16,14 @@ root needed) before each phase.
 - tokens/s with no consumer (``--seconds`` of drawing batches);
 - at a simulated step of 20 ms and of 2 ms (``np.sin`` passes calibrated to that time, one
   thread): data wait % (the Meter's: time in ``next()`` / wall) and step slowdown (median step
-  with the loader running ÷ median step alone, - 1).
+  with the loader running ÷ median step alone, - 1), from alternating blocks of steps fed by the
+  loader and steps alone (``tokenmill.bench.measure.slowdown``), so that the machine's drifts
+  hit both alike.
+
+The bare loader reads the store's largest shard: on a store of several shards it reads a fraction
+of the data the others read, and so maps fewer pages (a fresh process pays a page fault per
+64 KiB it first touches, ~2 µs each): prepare the store as one shard (``--shard-tokens``) to
+compare like with like; the table says which.
 
     python benchmarks/loader.py --store /tmp/ab/store [--repeats 3] [--json OUT]
 """
@@ -46,6 +53,7 @@ LABELS = {
     "packed": "tokenmill default, layout='packed'",
 }
 STEPS = {20.0: 150, 2.0: 400}  # simulated step ms -> steps measured
+BLOCKS = {20.0: (4, 20), 2.0: (8, 40)}  # slowdown: (pairs of blocks, steps a block)
 
 
 def evict(store: Path) -> None:
@@ -79,10 +87,12 @@ def bare_batches(store: Path, seq_len: int, batch_size: int):
 
 def limit_batches(store: Path, seq_len: int, batch_size: int):
     """The issue's practical limit: the bare loader's windows copied from the same memmap into
-    one preallocated buffer (no stack, no cast): what any loader of this memmap must do."""
+    one preallocated buffer (no stack, no cast): what any loader of this memmap must do. Read
+    through a plain ndarray view of the memmap: slicing an ``np.memmap`` makes a memmap object
+    per window (~1 µs each), which is overhead, not a limit."""
     m = json.loads((store / "manifest.json").read_text())
     biggest = max(m["shards"], key=lambda s: s["num_tokens"])
-    data = np.memmap(store / f"{biggest['name']}.bin", dtype=m["dtype"], mode="r")
+    data = np.asarray(np.memmap(store / f"{biggest['name']}.bin", dtype=m["dtype"], mode="r"))
     rng = np.random.default_rng(0)
     buf = np.empty((batch_size, seq_len + 1), data.dtype)
     while True:
@@ -106,11 +116,10 @@ def make(name: str, store: Path, seq_len: int, batch_size: int, cache_dir: str):
 
 def child(args) -> dict:
     """One contender, one page-cache state, in this fresh process: every phase's figures."""
-    from tokenmill.bench import calibrate_step, measure_steps, step_times, tokens_per_s
+    from tokenmill.bench import calibrate_step, measure_steps, slowdown, tokens_per_s
     store, out = Path(args.store), {}
     prepare = evict if args.cache == "cold" else warm
     passes = {ms: calibrate_step(ms) for ms in STEPS}
-    alone = {ms: statistics.median(step_times(passes[ms], 30)) for ms in STEPS}
     if args.child == "torch":
         import torch  # noqa: F401 - imported before the clock, as a training script has
     prepare(store)
@@ -123,16 +132,14 @@ def child(args) -> dict:
         prepare(store)
         m = measure_steps(it, passes[ms], steps)  # the same iterator: its pacer carries on
         out[f"wait_pct@{ms:g}"] = m["data_wait_pct"]
-        out[f"slowdown_pct@{ms:g}"] = 100 * (m["step_p50_ms"] / 1e3 / alone[ms] - 1)
+        blocks, per = BLOCKS[ms]
+        out[f"slowdown_pct@{ms:g}"] = slowdown(it, passes[ms], blocks=blocks,
+                                               per=per)["step_slowdown_pct"]
         if loader is not None:
             out[f"mode@{ms:g}"] = loader.stats()["mode"]
     if loader is not None:
         out["stats"] = loader.stats()
         loader.close()
-    for ms in STEPS:  # the step alone again, after: the faster median counts (noisy neighbours)
-        after = statistics.median(step_times(passes[ms], 30))
-        out[f"slowdown_pct@{ms:g}"] = 100 * ((1 + out[f"slowdown_pct@{ms:g}"] / 100) *
-                                             alone[ms] / min(alone[ms], after) - 1)
     return out
 
 
@@ -198,6 +205,10 @@ def main(argv=None) -> int:
     print(f"machine: {os.cpu_count()} cores, {platform.machine()}, python "
           f"{platform.python_version()}, numpy {np.__version__}; store {args.store}: "
           f"{m['num_tokens']:,} tokens, {len(m['shards'])} shards, {m['dtype']}")
+    biggest = max(m["shards"], key=lambda s: s["num_tokens"])["num_tokens"]
+    print(f"bare reads the largest shard: {biggest:,} of the {m['num_tokens']:,} tokens the "
+          "others read" + ("" if biggest == m["num_tokens"] else " (not like with like: see the "
+                                                               "docstring)"))
     caches = args.caches.split(",")
     names = args.contenders.split(",")
     results = {(n, c): [] for n in names for c in caches}

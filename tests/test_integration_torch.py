@@ -122,6 +122,27 @@ def test_cpu_tensors_are_made_once_per_buffer_and_never_overwritten_while_held(s
             assert np.array_equal(b["inputs"].numpy(), want[k]["inputs"]), f"batch {k} overwritten"
 
 
+def test_the_loader_itself_hands_out_arrays_again_after_a_to_torch_pass(store):
+    # to_torch's views belong to its pass: the loader iterated itself gives numpy arrays, a
+    # tensor still held from the torch pass is never overwritten, and the stream goes on
+    loader = Loader(store, seq_len=L, batch_size=4, seed=3, num_workers=0)
+    want = expected(loader, 12)
+    it = iter(to_torch(loader))
+    kept = [next(it) for _ in range(3)]
+    plain = iter(loader)
+    for k in range(3, 9):
+        b = next(plain)
+        assert type(b["inputs"]) is np.ndarray and np.array_equal(b["inputs"], want[k]["inputs"])
+    back = iter(to_torch(loader))
+    for k in range(9, 12):
+        b = next(back)
+        assert isinstance(b["inputs"], torch.Tensor)
+        assert np.array_equal(b["inputs"].numpy(), want[k]["inputs"])
+    for k, b in enumerate(kept):
+        assert np.array_equal(b["inputs"].numpy(), want[k]["inputs"]), f"batch {k} overwritten"
+    loader.close()
+
+
 def test_a_watched_trace_shows_device_copies_inside_the_data_waits(store, tmp_path):
     from tokenmill.watch import Watch
     loader = Loader(store, seq_len=L, batch_size=4, num_workers=0)

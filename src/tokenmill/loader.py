@@ -191,12 +191,19 @@ class Loader:
         return max(0, (end - self._consumed) // self.global_batch_size)
 
     def __iter__(self) -> LoaderIterator:
+        return self.iterate()
+
+    def iterate(self, view=None) -> LoaderIterator:
+        """A new pass, as ``iter(loader)``; with ``view`` (e.g. ``torch.from_numpy``) it hands
+        out ``view(array)`` for each batch array instead — made once per buffer, no copy, and a
+        buffer is reused only once nothing outside holds its view — for this pass only."""
         if self._closed:
             raise StaleIterator("this Loader is closed")
         self._retire(f"this Loader was iterated again (a new iter() on it) after this iterator "
                      f"was made; its batches continue in the new iterator, from consumed_samples"
                      f"={self._consumed:,}. Keep one iterator (it = iter(loader)) to call next(it) "
                      "inside a loop, or make a second Loader")
+        self._ring.set_view(view)  # after the retire: no batch of the last pass is in flight
         it = self._current = LoaderIterator()
         it.gen = (self._paced(it) if self.pacer else
                   self._inline(it) if self.num_workers == 0 else self._ahead(it))
@@ -375,12 +382,6 @@ class Loader:
         """Host memory the batch buffers take at a prefetch depth (ring = depth + 2 batches)."""
         per_batch = sum(a.nbytes for a in self.plan.new_buffers(self.batch_size).values())
         return per_batch * ((self.prefetch if prefetch is None else prefetch) + 2)
-
-    def hand_out_views(self, view) -> None:
-        """From now on hand out ``view(array)`` for each batch array (made once per buffer, e.g.
-        ``torch.from_numpy``: no per-batch wrapping) instead of the array; a buffer is reused only
-        once nothing outside holds its view. ``to_torch`` on CPU sets it."""
-        self._ring.view = view
 
     def _ensure_pool(self):
         if self._pool is None:

@@ -34,6 +34,14 @@ class Ring:
         self.views: dict[int, dict] = {}  # id(bufs) -> its views, made at the first hand-out
         self.view_refs: list[int] = []
 
+    def set_view(self, view) -> None:
+        """Hand out ``view(array)`` (None: the arrays) from the next ``hand_out`` on; views made
+        for another ``view`` are dropped (a buffer whose old view a user still holds stays
+        taken: that view holds the array)."""
+        if view is not self.view:
+            self.view = view
+            self.views.clear()
+
     def take(self) -> dict[str, np.ndarray]:
         """A buffer set that nothing else references (reclaimed or new)."""
         while self.out and self._free(self.out[0]):

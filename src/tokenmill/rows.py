@@ -134,15 +134,14 @@ class RowFiller:
         written); the same bytes as ``pack.fill_packed_rows``: padding 0, segment ids from 1,
         positions from 0 in each segment, loss_mask 0 on a segment's last token and on padding."""
         odd = [i for i, s in enumerate(starts) if s < 0]  # usually none, or one
-        if odd:
-            ids = addrs[odd]
-            first, last = layout.row_ptr[ids].tolist(), layout.row_ptr[ids + 1].tolist()
-            if sum(last) - sum(first) > SLICE_SEGMENTS:
-                return False
+        ptr = layout.row_ptr
+        segs = [(i, int(ptr[a]), int(ptr[a + 1])) for i, a in ((i, int(addrs[i])) for i in odd)]
+        if sum(b - a for _, a, b in segs) > SLICE_SEGMENTS:
+            return False
         buf = self.scratch(len(starts), self.dtype)  # the store's: cast once, in _inputs_targets
         self._copy_rows(starts, buf)
         pieces = []
-        for i, a, b in zip(odd, first, last) if odd else ():
+        for i, a, b in segs:
             lengths = layout.seg_len[a:b].tolist()
             at = 0
             for s, n in zip(layout.seg_start[a:b].tolist(), lengths):

@@ -15,8 +15,8 @@ from tokenmill.bench.contenders import (BASELINE, CONTENDERS, NOTES, REQUIRES, T
                                         Factory, WindowDataset, contender, naive_batches,
                                         nanogpt_batches)
 from tokenmill.bench.measure import (WORK_FLOATS, calibrate_step, child_result, measure,
-                                     measure_or_skip, measure_steps, serve_one, step_times,
-                                     step_work, tokens_per_s)
+                                     measure_or_skip, measure_steps, serve_one, slowdown,
+                                     step_times, step_work, tokens_per_s)
 from tokenmill.bench.report import format_report, format_table, write_plot
 from tokenmill.bench.runner import machine, report_notes, run, run_child, select, watch
 
@@ -25,5 +25,5 @@ __all__ = [
     "WindowDataset", "add_arguments", "calibrate_step", "child_result", "contender",
     "format_report", "format_table", "machine", "measure", "measure_or_skip", "measure_steps",
     "naive_batches", "nanogpt_batches", "report_notes", "run", "run_child", "run_from_args",
-    "select", "serve_one", "step_times", "step_work", "tokens_per_s", "watch", "write_plot",
+    "select", "serve_one", "slowdown", "step_times", "step_work", "tokens_per_s", "watch", "write_plot",
 ]

@@ -4,7 +4,9 @@
     first batch  from building the loader to its first batch       time_to_first_batch_s
     no model     batches drawn for --seconds, nothing else          tokens_per_s
     with model   --steps steps of the same job, under a Meter       data_wait_pct, wait_p99_ms
-    slowdown     median step with the loader / median step alone − 1   step_slowdown_pct
+    slowdown     median step fed by the loader / median step alone − 1, from alternating blocks
+                 of each (``slowdown``): drifts of a shared machine hit both alike
+                                                                    step_slowdown_pct
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tokenmill.bench.contenders import CONTENDERS, NOTES, REQUIRES
 from tokenmill.metrics import Meter, count_tokens
 
 WORK_FLOATS = 20_000  # the step's array: 160 kB, one np.sin pass ~0.15 ms, GIL released inside
+DROPPED = 3  # steps at the start of an alone block: a loader's workers may finish prefetching
 
 
 def step_work(passes: int, base: np.ndarray, work: np.ndarray) -> None:
@@ -74,28 +77,44 @@ def measure_steps(it: Iterator, passes: int, steps: int) -> dict[str, Any]:
     return meter.summary()
 
 
+def slowdown(it: Iterator, passes: int, *, blocks: int, per: int) -> dict[str, float]:
+    """Median step fed by ``it`` and median step alone (ms) and the slowdown (%), from
+    ``blocks`` pairs of blocks: ``per`` steps each after a ``next(it)``, then ``per`` steps alone
+    (their first DROPPED left out). Interleaved, so that another tenant's burst or a clock
+    change hits both sides alike (measuring alone before and after read ±2% at a 2 ms step)."""
+    base, work = _arrays()
+    fed, alone = [], []
+    for _ in range(blocks):
+        for _ in range(per):
+            next(it)
+            t0 = time.perf_counter()
+            step_work(passes, base, work)
+            fed.append(time.perf_counter() - t0)
+        for i in range(per):
+            t0 = time.perf_counter()
+            step_work(passes, base, work)
+            if i >= DROPPED:
+                alone.append(time.perf_counter() - t0)
+    with_ms, alone_ms = 1e3 * statistics.median(fed), 1e3 * statistics.median(alone)
+    return {"step_ms_with_loader": with_ms, "step_ms_alone": alone_ms,
+            "step_slowdown_pct": 100 * (with_ms / alone_ms - 1)}
+
+
 def measure(name: str, store: str, *, seq_len: int, batch_size: int, seed: int, seconds: float,
             steps: int, passes: int) -> dict[str, Any]:
-    """Every figure of one contender, measured in this process.
-
-    The step alone is timed before the loader exists and again after it is closed; the faster
-    median counts, so that another tenant's burst during one of the two does not read as speed.
-    """
-    before = 1e3 * statistics.median(step_times(passes, max(1, steps // 2)))
+    """Every figure of one contender, measured in this process (the slowdown from ``steps``
+    more steps, half of them alone: ``slowdown``)."""
     t0 = time.perf_counter()
     it = CONTENDERS[name](store, seq_len, batch_size, seed)
     next(it)
     first = time.perf_counter() - t0
     rate = tokens_per_s(it, seconds)
     s = measure_steps(it, passes, steps)
+    per = max(DROPPED + 2, min(25, steps // 8))
+    cost = slowdown(it, passes, blocks=max(1, steps // (2 * per)), per=per)
     it.close()
-    after = 1e3 * statistics.median(step_times(passes, max(1, steps // 2)))
-    alone = min(before, after)
     return {"tokens_per_s": rate, "time_to_first_batch_s": first,
-            "data_wait_pct": s["data_wait_pct"], "wait_p99_ms": s["wait_p99_ms"],
-            "step_ms_alone": alone, "step_ms_alone_before_after": [before, after],
-            "step_ms_with_loader": s["step_p50_ms"],
-            "step_slowdown_pct": 100 * (s["step_p50_ms"] / alone - 1)}
+            "data_wait_pct": s["data_wait_pct"], "wait_p99_ms": s["wait_p99_ms"], **cost}
 
 
 def measure_or_skip(name: str, spec: dict) -> dict[str, Any]:

@@ -5,15 +5,16 @@
         state = batches.state_dict()         # save this one, not the loader's: see below
 
 ``to_torch`` on CPU hands out tensors that share the loader's batch buffers (``torch.from_numpy``,
-made once per buffer: no copy, no per-batch wrapping; its iterator is the loader's own, which
-hands out those tensors from then on, also when iterated itself). On CUDA it keeps
-``depth`` batches in flight: each is copied by the host into a pinned buffer of a small ring and
-sent by a non-blocking copy on a side stream, so batch k+1 crosses PCIe while step k runs. The
-compute stream waits on the copy's event (the host does not), ``record_stream`` keeps the caching
-allocator from reusing a batch's device memory before the compute stream is done with it, and a
-pinned buffer is refilled only after the host has synchronized on the event of the copy that read
-it last. Because batches are taken from the loader ahead of the training step, the wrapper, not
-the loader, knows which batches were handed out: checkpoint ``batches.state_dict()``.
+made once per buffer: no copy, no per-batch wrapping; its iterator is a pass of the loader's own,
+``loader.iterate(view=torch.from_numpy)``, and the loader iterated itself hands out arrays as
+ever). On CUDA it keeps ``depth`` batches in flight: each is copied by the host into a pinned
+buffer of a small ring and sent by a non-blocking copy on a side stream, so batch k+1 crosses PCIe
+while step k runs. The compute stream waits on the copy's event (the host does not),
+``record_stream`` keeps the caching allocator from reusing a batch's device memory before the
+compute stream is done with it, and a pinned buffer is refilled only after the host has
+synchronized on the event of the copy that read it last. Because batches are taken from the loader
+ahead of the training step, the wrapper, not the loader, knows which batches were handed out:
+checkpoint ``batches.state_dict()``.
 
 ``TokenDataset`` keeps existing ``torch.utils.data.DataLoader(ds, batch_size=None,
 num_workers=N, pin_memory=True, persistent_workers=True)`` code: worker w of N computes steps
@@ -153,8 +154,7 @@ class TorchBatches(AheadOfLoader):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         token = self._begin()
         if self._cpu:  # no batch in flight: the loader's own iterator, handing out tensors
-            self.loader.hand_out_views(torch.from_numpy)  # made once per buffer, no copy
-            return iter(self.loader)
+            return self.loader.iterate(view=torch.from_numpy)  # once per buffer, no copy
         if self._ops is None:
             return self._direct(token)
         return self._pipelined(token)
