@@ -26,6 +26,7 @@ import numpy as np
 
 from tokenmill import pacing
 from tokenmill.errors import ConfigError, StaleIterator
+from tokenmill.lifetime import Iteration, OneIterator, Pass
 from tokenmill.mixture import described_phases
 from tokenmill.options import LoaderOptions
 from tokenmill.pacing import Pacer
@@ -46,34 +47,7 @@ MAX_PREFETCH = 64
 PREFETCH_MEMORY_BUDGET = 1 << 30  # never let prefetch buffers grow past 1 GiB
 
 
-class LoaderIterator:
-    """One pass over a Loader. It stops with a StaleIterator error — never quietly — once the
-    Loader was iterated again, loaded (``load_state_dict``) or closed after it was made."""
-
-    __slots__ = ("gen", "why")
-
-    def __init__(self):
-        self.gen: Iterator[dict[str, np.ndarray]] | None = None
-        self.why: str | None = None
-
-    def __iter__(self) -> LoaderIterator:
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        if self.why is not None:
-            raise StaleIterator(self.why)
-        return next(self.gen)
-
-    def retire(self, why: str) -> None:
-        """Make the next ``next()`` raise ``why``; stop the work this iterator took ahead."""
-        self.why = why
-        try:
-            self.gen.close()  # cancels its prefetched batches, returns their buffers
-        except ValueError:  # running in another thread: it raises at its next check
-            pass
-
-
-class Loader:
+class Loader(OneIterator):
     """Batches of (batch_size, seq_len) token arrays from one store or a weighted mixture.
 
     ``for batch in Loader("store/", seq_len=2048, batch_size=8): ...``; batch k is the same for
@@ -129,8 +103,6 @@ class Loader:
         self._stage_lock = threading.Lock()
         self._ready = 0
         self._pool = None
-        self._closed = False
-        self._current: LoaderIterator | None = None
         self._ring = Ring(lambda: self.plan.new_buffers(self.batch_size), size=self.prefetch + 2)
 
     @classmethod
@@ -190,48 +162,36 @@ class Loader:
         end = self.total_steps * self.global_batch_size
         return max(0, (end - self._consumed) // self.global_batch_size)
 
-    def __iter__(self) -> LoaderIterator:
+    def __iter__(self) -> Pass:
         return self.iterate()
 
-    def iterate(self, view=None) -> LoaderIterator:
+    def iterate(self, view=None) -> Pass:
         """A new pass, as ``iter(loader)``; with ``view`` (e.g. ``torch.from_numpy``) it hands
         out ``view(array)`` for each batch array instead — made once per buffer, no copy, and a
         buffer is reused only once nothing outside holds its view — for this pass only."""
-        if self._closed:
-            raise StaleIterator("this Loader is closed")
-        self._retire(f"this Loader was iterated again (a new iter() on it) after this iterator "
-                     f"was made; its batches continue in the new iterator, from consumed_samples"
-                     f"={self._consumed:,}. Keep one iterator (it = iter(loader)) to call next(it) "
-                     "inside a loop, or make a second Loader")
+        token = self._new_iteration()
         self._ring.set_view(view)  # after the retire: no batch of the last pass is in flight
-        it = self._current = LoaderIterator()
-        it.gen = (self._paced(it) if self.pacer else
-                  self._inline(it) if self.num_workers == 0 else self._ahead(it))
-        return it
+        return Pass(token, self._paced(token) if self.pacer else
+                    self._inline(token) if self.num_workers == 0 else self._ahead(token))
 
-    def _retire(self, why: str) -> None:
-        current, self._current = self._current, None
-        if current is not None:
-            current.retire(why)
-
-    def _hand_out(self, it: LoaderIterator, bufs: dict) -> dict:
+    def _hand_out(self, token: Iteration, bufs: dict) -> dict:
         """Check, count and hand out a filled batch (StaleIterator, StoreError refuse it)."""
-        if self._current is not it:  # retired while it waited, by another thread
+        if not self._live(token):  # retired while it waited, by another thread
             self._ring.reclaim(bufs)
-            raise StaleIterator(it.why or "this Loader was iterated again, loaded or closed")
+            raise StaleIterator(token.why or "this loader was iterated again, loaded or closed")
         self.plan.check_stores()
         self._consumed += self.global_batch_size
         return self._ring.hand_out(bufs)
 
-    def _inline(self, it: LoaderIterator) -> Iterator[dict[str, np.ndarray]]:
+    def _inline(self, token: Iteration) -> Iterator[dict[str, np.ndarray]]:
         remaining = self._remaining()
         while remaining is None or remaining > 0:
             bufs = self._ring.take()
             self._timed_fill(self.positions(self._consumed), bufs)
             remaining = None if remaining is None else remaining - 1
-            yield self._hand_out(it, bufs)
+            yield self._hand_out(token, bufs)
 
-    def _ahead(self, it: LoaderIterator) -> Iterator[dict[str, np.ndarray]]:
+    def _ahead(self, token: Iteration) -> Iterator[dict[str, np.ndarray]]:
         pool = self._ensure_pool()
         ahead: deque[tuple[Future, dict]] = deque()
         nxt, n_left, gb = self._consumed, self._remaining(), self.global_batch_size
@@ -249,13 +209,13 @@ class Loader:
                 self._ready = sum(f.done() for f, _ in ahead) + fut.done()
                 t0 = clock()
                 self._waited(fut)
-                batch = self._hand_out(it, bufs)
+                batch = self._hand_out(token, bufs)
                 self._tune(clock() - t0, clock())
                 yield batch
         finally:
             self._cancel(ahead)
 
-    def _paced(self, it: LoaderIterator) -> Iterator[dict[str, np.ndarray]]:
+    def _paced(self, token: Iteration) -> Iterator[dict[str, np.ndarray]]:
         """The default: inline while assembling is cheap, ahead on a worker while the Pacer's
         measurements say it is not; prefetched batches drain in order before going inline."""
         ahead: deque[tuple[Future, dict]] = deque()
@@ -281,7 +241,7 @@ class Loader:
                     nxt, n_left = nxt + gb, None if n_left is None else n_left - 1
                 else:
                     return
-                batch = self._hand_out(it, bufs)
+                batch = self._hand_out(token, bufs)
                 if ahead:
                     self._tune(clock() - t0, clock())
                 handed = clock()
@@ -457,16 +417,8 @@ class Loader:
         (A Loader dropped without close() stops its workers when it is garbage collected; its
         stores are released with the last reference to them.)
         """
-        self._closed = True
-        self._retire("this Loader was closed")
-        self._finalizer()
+        super().close()
         self.plan.close()
-
-    def __enter__(self) -> Loader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _shutdown(pool) -> None:

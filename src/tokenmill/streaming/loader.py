@@ -26,6 +26,7 @@ import numpy as np
 
 from tokenmill import pack
 from tokenmill.errors import ConfigError, StaleIterator
+from tokenmill.lifetime import Iteration, OneIterator
 from tokenmill.plan import MAX_CONSUMED, LayoutConfig, resolve_rank
 from tokenmill.prepare.pool import UNITS_PER_WORKER
 from tokenmill.prepare.tokenize import PrepareConfig
@@ -69,54 +70,6 @@ def open_stream(inputs: str | os.PathLike | Sequence, *, tokenizer: str = "bytes
                        num_workers=workers, storage_options=storage_options)
     return StreamLoader(plan, tok, BatchSlice(rank=rank, world_size=world_size,
                                               batch_size=int(batch_size)))
-
-
-class Iteration:
-    """One iterator's token: ``why`` is set when the loader moved on without it."""
-
-    __slots__ = ("why",)
-
-    def __init__(self):
-        self.why: str | None = None
-
-
-class OneIterator:
-    """The lifetime a stream loader shares (``StreamLoader``, ``MixedStreamLoader``): one live
-    iterator at a time — ``iter()``, ``load_state_dict`` and ``close`` retire the earlier one,
-    whose next ``next()`` raises StaleIterator — and ``close`` runs ``self._finalizer``."""
-
-    _closed = False
-    _iterating: Iteration | None = None
-    _consumed = 0
-
-    def _new_iteration(self) -> Iteration:
-        """The token of a new iterator, the earlier one retired."""
-        if self._closed:
-            raise StaleIterator("this loader is closed")
-        self._retire(f"this loader was iterated again (a new iter() on it) after this iterator "
-                     f"was made; its batches continue in the new iterator, from consumed_samples"
-                     f"={self._consumed:,}. Keep one iterator (it = iter(loader)) to call "
-                     "next(it) inside a loop")
-        self._iterating = token = Iteration()
-        return token
-
-    def _retire(self, why: str) -> None:
-        if self._iterating is not None:
-            self._iterating.why = why
-        self._iterating = None
-
-    def close(self) -> None:
-        """Stop the producer threads and worker processes, release the cache; safe to call
-        twice."""
-        self._closed = True
-        self._retire("this loader is closed")
-        self._finalizer()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class StreamLoader(OneIterator):

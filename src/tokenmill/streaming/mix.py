@@ -36,7 +36,8 @@ from tokenmill import sampler
 from tokenmill.errors import ConfigError, StaleIterator
 from tokenmill.mixture import Mixture, described_phases, mixture_of
 from tokenmill.plan import MAX_CONSUMED, resolve_rank
-from tokenmill.streaming.loader import Iteration, OneIterator, StreamLoader, open_stream
+from tokenmill.lifetime import Iteration, OneIterator
+from tokenmill.streaming.loader import StreamLoader, open_stream
 from tokenmill.streaming.plan import STATE_VERSION, digest, resolve_stream_workers
 from tokenmill.streaming.producer import READY_BATCHES
 from tokenmill.streaming.rows import new_batch
