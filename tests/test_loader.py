@@ -442,6 +442,46 @@ def test_a_second_thread_iterating_stops_the_first_loudly_even_mid_batch(store, 
         assert same(take(second, 1), [ld.batch_at(4)])  # the second goes on from batch 1
 
 
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_close_from_another_thread_stops_its_iterator_with_stale_iterator(store, monkeypatch,
+                                                                         workers):
+    # close() while a training loop waits inside next(): that loop meets StaleIterator, not the
+    # store error, CancelledError or worker error that closing caused underneath it
+    real_fill = plan_mod.BatchPlan.fill
+    inside, go = threading.Event(), threading.Event()
+
+    def held_fill(self, positions, out):
+        inside.set()
+        go.wait(5)
+        real_fill(self, positions, out)
+    ld = Loader(store, seq_len=L, batch_size=4, num_workers=workers, prefetch=1, rank=0,
+                world_size=1)
+    it = iter(ld)
+    next(it)
+    monkeypatch.setattr(plan_mod.BatchPlan, "fill", held_fill)
+    outcome = []
+
+    def training_loop():
+        try:
+            while True:
+                next(it)
+        except BaseException as e:  # noqa: BLE001 - record what the loop meets
+            outcome.append(e)
+    inside.clear()
+    loop = threading.Thread(target=training_loop)
+    loop.start()
+    assert inside.wait(5)
+    closing = threading.Thread(target=ld.close)
+    closing.start()
+    time.sleep(0.2)  # close() under way: the stores closed, the pool shutting down
+    go.set()
+    closing.join(10)
+    loop.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], StaleIterator), outcome
+    assert "closed" in str(outcome[0])
+
+
 # ---- the store under the loader (12.3, 12.14) -------------------------------------------------
 
 @pytest.mark.parametrize("kind,when", [("process", "iterating"), ("thread", "iterating"),

@@ -44,7 +44,14 @@ class Pass:
     def __next__(self):
         if self.token.why is not None:
             raise StaleIterator(self.token.why)
-        return next(self.batches)
+        try:
+            return next(self.batches)
+        except Exception as e:  # StopIteration too: a pass closed under us never ends quietly
+            if self.token.why is None:
+                raise
+            # retired by another thread meanwhile (close, iter, load_state_dict): what failed
+            # underneath — a closed store, a cancelled future, a stopped worker — is its effect
+            raise StaleIterator(self.token.why) from e
 
     def _close(self) -> None:
         try:
