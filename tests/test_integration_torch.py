@@ -105,7 +105,7 @@ def test_cpu_batches_equal_the_loader_and_share_its_memory(store):
         assert same(held, expected(batches.loader, len(held)))
 
 
-def test_cpu_tensors_are_made_once_per_buffer_and_never_overwritten_while_held(store):
+def test_cpu_tensors_share_the_loaders_buffers_and_are_never_overwritten_while_held(store):
     loader = Loader(store, seq_len=L, batch_size=4, seed=3, epochs=1, num_workers=0)
     want = expected(loader, 24)
     with to_torch(loader) as batches:
@@ -113,13 +113,31 @@ def test_cpu_tensors_are_made_once_per_buffer_and_never_overwritten_while_held(s
         seen, kept = set(), []
         for k in range(24):
             b = next(it)
-            seen.add(id(b["inputs"]))  # the same tensor objects come back: no per-batch wrapping
+            seen.add(b["inputs"].data_ptr())  # the loader's few buffers come back: no copy
             assert np.array_equal(b["inputs"].numpy(), want[k]["inputs"])
             if k % 5 == 0:
                 kept.append((k, b))  # held: its buffer must not be refilled
         assert len(seen) <= 4 + len(kept), len(seen)
         for k, b in kept:
             assert np.array_equal(b["inputs"].numpy(), want[k]["inputs"]), f"batch {k} overwritten"
+
+
+@pytest.mark.parametrize("alias", ["detach", "numpy", "view_as"])
+def test_a_cpu_batch_held_through_an_alias_of_its_tensor_is_never_overwritten(store, alias):
+    # t.detach() and t.numpy() share t's memory without referencing the tensor object the
+    # loader handed out: holding only them must keep the buffer, as holding t does
+    loader = Loader(store, seq_len=L, batch_size=4, seed=3, num_workers=0)
+    want = expected(loader, 20)
+    take_alias = {"detach": lambda t: t.detach(), "numpy": lambda t: t.numpy(),
+                  "view_as": lambda t: t.view_as(t)}[alias]
+    with to_torch(loader) as batches:
+        it = iter(batches)
+        kept = [(k, take_alias(next(it)["inputs"])) for k in range(3)]
+        for k in range(3, 20):
+            assert np.array_equal(next(it)["inputs"].numpy(), want[k]["inputs"])
+        for k, a in kept:
+            a = a.numpy() if isinstance(a, torch.Tensor) else a
+            assert np.array_equal(a, want[k]["inputs"]), f"batch {k} overwritten"
 
 
 def test_the_loader_itself_hands_out_arrays_again_after_a_to_torch_pass(store):

@@ -167,8 +167,8 @@ class Loader(OneIterator):
 
     def iterate(self, view=None) -> Pass:
         """A new pass, as ``iter(loader)``; with ``view`` (e.g. ``torch.from_numpy``) it hands
-        out ``view(array)`` for each batch array instead — made once per buffer, no copy, and a
-        buffer is reused only once nothing outside holds its view — for this pass only."""
+        out ``view(array)`` for each batch array instead — no copy, and a buffer is reused only
+        once nothing outside holds it or a view of it — for this pass only."""
         token = self._new_iteration()
         self._ring.set_view(view)  # after the retire: no batch of the last pass is in flight
         return Pass(token, self._paced(token) if self.pacer else

@@ -5,7 +5,8 @@
         state = batches.state_dict()         # save this one, not the loader's: see below
 
 ``to_torch`` on CPU hands out tensors that share the loader's batch buffers (``torch.from_numpy``,
-made once per buffer: no copy, no per-batch wrapping; its iterator is a pass of the loader's own,
+no copy; a buffer is reused once nothing holds its memory, also through ``t.detach()`` or
+``t.numpy()``; its iterator is a pass of the loader's own,
 ``loader.iterate(view=torch.from_numpy)``, and the loader iterated itself hands out arrays as
 ever). On CUDA it keeps ``depth`` batches in flight: each is copied by the host into a pinned
 buffer of a small ring and sent by a non-blocking copy on a side stream, so batch k+1 crosses PCIe
@@ -154,7 +155,7 @@ class TorchBatches(AheadOfLoader):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         token = self._begin()
         if self._cpu:  # no batch in flight: the loader's own iterator, handing out tensors
-            return self.loader.iterate(view=torch.from_numpy)  # once per buffer, no copy
+            return self.loader.iterate(view=torch.from_numpy)  # no copy
         if self._ops is None:
             return self._direct(token)
         return self._pipelined(token)
