@@ -161,3 +161,16 @@ def test_a_contender_that_overruns_is_stopped_and_reported(store):
 def test_a_contender_that_raises_is_a_result_not_an_exception(store, tmp_path):
     r = bench.run_child("naive", spec_for(tmp_path / "no-store"), timeout=60)
     assert r["error"].startswith("StoreError: ") and "no-store" in r["error"], r
+
+
+def test_slowdown_refuses_blocks_too_short_to_time_alone_steps():
+    # per <= DROPPED leaves no alone step to time: say so, instead of "no median for empty data"
+    import itertools
+
+    from tokenmill.bench.measure import DROPPED
+    with pytest.raises(ValueError, match=rf"per must be an int > {DROPPED} \(got per={DROPPED}\)"):
+        bench.slowdown(itertools.repeat(None), 1, blocks=2, per=DROPPED)
+    with pytest.raises(ValueError, match=r"blocks must be an int >= 1 \(got blocks=0\)"):
+        bench.slowdown(itertools.repeat(None), 1, blocks=0, per=5)
+    r = bench.slowdown(itertools.repeat(None), 1, blocks=1, per=DROPPED + 1)
+    assert r["step_ms_alone"] > 0

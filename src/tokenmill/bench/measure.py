@@ -82,6 +82,11 @@ def slowdown(it: Iterator, passes: int, *, blocks: int, per: int) -> dict[str, f
     ``blocks`` pairs of blocks: ``per`` steps each after a ``next(it)``, then ``per`` steps alone
     (their first DROPPED left out). Interleaved, so that another tenant's burst or a clock
     change hits both sides alike (measuring alone before and after read ±2% at a 2 ms step)."""
+    if blocks < 1:
+        raise ValueError(f"blocks must be an int >= 1 (got {blocks=})")
+    if per <= DROPPED:
+        raise ValueError(f"per must be an int > {DROPPED} (got {per=}): the first {DROPPED} "
+                         "steps of each alone block are not timed")
     base, work = _arrays()
     fed, alone = [], []
     for _ in range(blocks):
