@@ -598,3 +598,33 @@ def test_process_workers_work_from_a_script_without_a_main_guard(store, tmp_path
     with Loader(store, seq_len=16, batch_size=4, rank=0, world_size=1, seed=4) as ld:
         want = [str(b["inputs"][:, 0].tolist()) for b in take(ld, 5)]
     assert done.stdout.splitlines() == ["top level ran", *want]  # the workers never re-ran it
+
+
+def test_two_threads_taking_from_one_ring_never_hand_out_a_held_buffer():
+    # a retired pass may still take a buffer while the new pass does: check-then-pop of the
+    # handed-out queue must not interleave (it would free a buffer someone holds)
+    import sys
+    import threading
+    from tokenmill.ring import Ring
+    ring = Ring(lambda: {"inputs": np.zeros(4, np.int64)}, size=64)
+    bad, held = [], []
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+
+    def work(me: int) -> None:
+        for i in range(40_000):
+            bufs = ring.take()
+            bufs["inputs"][:] = me * 10**6 + i
+            batch = ring.hand_out(bufs)
+            if i % 7 == 0:
+                held.append((me * 10**6 + i, batch))  # kept: must never change
+    try:
+        threads = [threading.Thread(target=work, args=(m,)) for m in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    bad = [(want, int(b["inputs"][0])) for want, b in held if (b["inputs"] != want).any()]
+    assert not bad, bad[:5]

@@ -10,6 +10,7 @@ ring alone holds (``refcounts``), so a batch you keep is never overwritten::
 from __future__ import annotations
 
 import sys
+import threading
 from collections import deque
 
 import numpy as np
@@ -34,6 +35,9 @@ class Ring:
         self.free_refs: list[int] = []
         self.out: deque[dict] = deque()  # handed to the user, oldest first
         self.view = None  # array -> what is handed out for it (None: the array itself)
+        # a retired pass may still be taking a buffer in another thread while the new pass
+        # does: a check-then-pop of ``out`` must not interleave (it could free a held buffer)
+        self._lock = threading.Lock()
 
     def set_view(self, view) -> None:
         """Hand out ``view(array)`` (None: the arrays) from the next ``hand_out`` on (a buffer
@@ -42,6 +46,10 @@ class Ring:
 
     def take(self) -> dict[str, np.ndarray]:
         """A buffer set that nothing else references (reclaimed or new)."""
+        with self._lock:
+            return self._take()
+
+    def _take(self) -> dict[str, np.ndarray]:
         while self.out and self._free(self.out[0]):
             self.free.append(self.out.popleft())
         if self.free:
@@ -59,7 +67,8 @@ class Ring:
     def hand_out(self, bufs: dict) -> dict:
         """Record ``bufs`` as given to the user; returns a new dict over the same arrays (or
         their views)."""
-        self.out.append(bufs)
+        with self._lock:
+            self.out.append(bufs)
         if self.view is None:
             return dict(bufs)
         view = self.view
@@ -67,7 +76,8 @@ class Ring:
 
     def reclaim(self, bufs: dict) -> None:
         """Return a buffer set that was never handed out."""
-        self.free.append(bufs)
+        with self._lock:
+            self.free.append(bufs)
 
 
 def refcounts(bufs: dict) -> list[int]:
