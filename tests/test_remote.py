@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -238,6 +239,64 @@ def test_shard_cache_evicts_least_recently_used_and_never_a_pinned_file(s3, tmp_
     assert held() == ["d", "e", "a"]
     with pytest.raises(CacheFullError, match="more than the whole cache"):
         ShardCache(tmp_path / "small", 999).fetch(*key["a"])
+
+
+def test_a_download_landing_while_an_eviction_pass_counts_is_counted(s3, tmp_path, monkeypatch):
+    """A download renamed into place between an eviction pass's listing and its stats was once
+    counted under neither name, and a third file came in where two fit (CI saw 48,000 bytes
+    held against a 32,808-byte limit)."""
+    blobs = {k: k.encode() * 1000 for k in "abc"}
+    for k, data in blobs.items():
+        s3.fs.pipe_file(f"{s3.bucket}/o/{k}.bin", data)
+    key = {k: (s3.url(f"o/{k}.bin"), 1000, xxhash.xxh3_64_hexdigest(d)) for k, d in blobs.items()}
+    names = {k: ShardCache.entry_name(*key[k]) for k in key}
+    shards = ShardCache(tmp_path / "cache", 2000)
+    shards.fetch(*key["c"])  # cached, unpinned: the one to evict when b comes
+    downloaded, go, landing = threading.Event(), threading.Event(), threading.Event()
+    real_open, real_lock = cache._open_remote, cache.lock_file
+
+    class WaitsAtTheEnd:  # a's download: every byte written, then held until ``go``
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+        def read(self, n):
+            if not (data := self.f.read(n)):
+                downloaded.set()
+                assert go.wait(30)
+            return data
+
+    def lock_file(path, **kw):  # a asking for the cache's lock to land: as far as it can go
+        if (threading.current_thread() is lands and downloaded.is_set()
+                and Path(path).name == ".lock"):
+            landing.set()
+        return real_lock(path, **kw)
+
+    class ListsThenLetsALand(type(shards.dir)):
+        def iterdir(self):
+            listed = list(super().iterdir())
+            if not go.is_set():  # the first listing: b's eviction pass
+                go.set()
+                assert landing.wait(30)
+            return iter(listed)
+
+    monkeypatch.setattr(cache, "_open_remote", lambda fs, p: WaitsAtTheEnd(real_open(fs, p))
+                        if p.endswith("/a.bin") else real_open(fs, p))
+    monkeypatch.setattr(cache, "lock_file", lock_file)
+    lands = threading.Thread(target=lambda: (shards.fetch(*key["a"]), landing.set()))
+    lands.start()
+    assert downloaded.wait(30)
+    other = ShardCache(tmp_path / "cache", 2000)  # another reader of the same directory
+    other.dir = ListsThenLetsALand(other.dir)
+    other.fetch(*key["b"])
+    lands.join(30)
+    assert sorted(e.name for e in shards.entries()) == sorted([names["a"], names["b"]])
+    assert shards.usage() == 2000
 
 
 def test_mapped_shard_is_never_evicted_and_is_released_with_its_last_view(remote_store, tmp_path):
