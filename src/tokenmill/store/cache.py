@@ -169,16 +169,17 @@ class ShardCache:
             _ACTIVE_TMP.add(tmp)
             try:
                 self._download(url, tmp, size, xxh3, cancel)
-                self._land(tmp, path)
+                self._land(tmp, path, fd)
+                fd = None  # released by _land
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
             finally:
                 _ACTIVE_TMP.discard(tmp)
-            _touch(path)
             return path
         finally:
-            unlock(fd)
+            if fd is not None:
+                unlock(fd)
 
     def pin(self, url: str, size: int, xxh3: str) -> Pin:
         """Like ``fetch``, and hold the file in place (shared lock) until the Pin is released."""
@@ -299,13 +300,18 @@ class ShardCache:
                 used -= nbytes
         return used, inflight
 
-    def _land(self, tmp: Path, path: Path) -> None:
-        """Rename a finished download into place under the cache's global lock: a rename between
-        an eviction pass's listing and its ``stat`` would hide the file under both names (the
-        pass would count neither and let a download more in, past ``max_bytes``)."""
+    def _land(self, tmp: Path, path: Path, entry_fd: int) -> None:
+        """Rename a finished download into place and release its entry's lock, both under the
+        cache's global lock. A rename between an eviction pass's listing and its ``stat`` would
+        hide the file under both names (the pass would count neither and let a download more
+        in, past ``max_bytes``); an entry lock still held after the global one is released would
+        make a waiting pass take the new file for a pinned one (no download in flight, nothing
+        to evict: CacheFullError)."""
         fd = lock_file(self.dir / ".lock")
         try:
             os.replace(tmp, path)
+            _touch(path)
+            unlock(entry_fd)
         finally:
             unlock(fd)
 
