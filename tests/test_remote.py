@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -238,6 +239,119 @@ def test_shard_cache_evicts_least_recently_used_and_never_a_pinned_file(s3, tmp_
     assert held() == ["d", "e", "a"]
     with pytest.raises(CacheFullError, match="more than the whole cache"):
         ShardCache(tmp_path / "small", 999).fetch(*key["a"])
+
+
+class HeldAtTheEnd:
+    """A remote stream that, once every byte is read, sets ``done`` and waits for ``go``."""
+
+    def __init__(self, f, done: threading.Event, go: threading.Event):
+        self.f, self.done, self.go = f, done, go
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.f.close()
+
+    def read(self, n):
+        if not (data := self.f.read(n)):
+            self.done.set()
+            assert self.go.wait(30)
+        return data
+
+
+def test_a_download_landing_while_an_eviction_pass_counts_is_counted(s3, tmp_path, monkeypatch):
+    """A download renamed into place between an eviction pass's listing and its stats was once
+    counted under neither name, and a third file came in where two fit (CI saw 48,000 bytes
+    held against a 32,808-byte limit)."""
+    blobs = {k: k.encode() * 1000 for k in "abc"}
+    for k, data in blobs.items():
+        s3.fs.pipe_file(f"{s3.bucket}/o/{k}.bin", data)
+    key = {k: (s3.url(f"o/{k}.bin"), 1000, xxhash.xxh3_64_hexdigest(d)) for k, d in blobs.items()}
+    names = {k: ShardCache.entry_name(*key[k]) for k in key}
+    shards = ShardCache(tmp_path / "cache", 2000)
+    shards.fetch(*key["c"])  # cached, unpinned: the one to evict when b comes
+    downloaded, go, landing = threading.Event(), threading.Event(), threading.Event()
+    real_open, real_lock = cache._open_remote, cache.lock_file
+
+    def lock_file(path, **kw):  # a asking for the cache's lock to land: as far as it can go
+        if (threading.current_thread() is lands and downloaded.is_set()
+                and Path(path).name == ".lock"):
+            landing.set()
+        return real_lock(path, **kw)
+
+    class ListsThenLetsALand(type(shards.dir)):
+        def iterdir(self):
+            listed = list(super().iterdir())
+            if not go.is_set():  # the first listing: b's eviction pass
+                go.set()
+                assert landing.wait(30)
+            return iter(listed)
+
+    monkeypatch.setattr(cache, "_open_remote", lambda fs, p: HeldAtTheEnd(
+        real_open(fs, p), downloaded, go) if p.endswith("/a.bin") else real_open(fs, p))
+    monkeypatch.setattr(cache, "lock_file", lock_file)
+    lands = threading.Thread(target=lambda: (shards.fetch(*key["a"]), landing.set()))
+    lands.start()
+    assert downloaded.wait(30)
+    other = ShardCache(tmp_path / "cache", 2000)  # another reader of the same directory
+    other.dir = ListsThenLetsALand(other.dir)
+    other.fetch(*key["b"])
+    lands.join(30)
+    assert sorted(e.name for e in shards.entries()) == sorted([names["a"], names["b"]])
+    assert shards.usage() == 2000
+
+
+def test_a_download_that_just_landed_is_evictable_at_once(s3, tmp_path, monkeypatch):
+    """A download waited for by another (the cache full of it and a pinned file) was once
+    renamed into place with its entry still locked: the waiter's next pass took it for pinned,
+    saw nothing in flight, and raised CacheFullError instead of evicting it."""
+    blobs = {k: k.encode() * 1000 for k in "abc"}
+    for k, data in blobs.items():
+        s3.fs.pipe_file(f"{s3.bucket}/o/{k}.bin", data)
+    key = {k: (s3.url(f"o/{k}.bin"), 1000, xxhash.xxh3_64_hexdigest(d)) for k, d in blobs.items()}
+    shards = ShardCache(tmp_path / "cache", 2000)
+    downloaded, go, landed, passed = (threading.Event() for _ in range(4))
+    real_open, real_lock, real_unlock = cache._open_remote, cache.lock_file, cache.unlock
+    real_pass = ShardCache._evict_until
+    global_fds, lands = set(), None
+
+    def lock_file(path, **kw):
+        fd = real_lock(path, **kw)
+        if threading.current_thread() is lands and downloaded.is_set() and \
+                Path(path).name == ".lock":
+            global_fds.add(fd)
+        return fd
+
+    def unlock(fd):  # a lets go of the cache's lock after landing: b's next pass runs now
+        if threading.current_thread() is not lands or fd not in global_fds:
+            return real_unlock(fd)
+        global_fds.discard(fd)
+        landed.set()
+        real_unlock(fd)
+        assert passed.wait(30)
+
+    def evict_until(self, target):
+        try:
+            return real_pass(self, target)
+        finally:
+            if threading.current_thread() is not lands and downloaded.is_set():
+                (passed if landed.is_set() else go).set()  # b waits for a, then for a's landing
+
+    monkeypatch.setattr(cache, "_open_remote", lambda fs, p: HeldAtTheEnd(
+        real_open(fs, p), downloaded, go) if p.endswith("/a.bin") else real_open(fs, p))
+    monkeypatch.setattr(cache, "lock_file", lock_file)
+    monkeypatch.setattr(cache, "unlock", unlock)
+    monkeypatch.setattr(ShardCache, "_evict_until", evict_until)
+    with shards.pin(*key["c"]):  # c: held by a reader; a and b share the other 1,000 bytes
+        lands = threading.Thread(target=shards.fetch, args=key["a"])
+        lands.start()
+        assert downloaded.wait(30)
+        shards.fetch(*key["b"])  # waits for a to land, then evicts it
+        lands.join(30)
+        names = sorted(e.name for e in shards.entries())
+        assert names == sorted(ShardCache.entry_name(*key[k]) for k in "bc")
+        assert shards.usage() == 2000
 
 
 def test_mapped_shard_is_never_evicted_and_is_released_with_its_last_view(remote_store, tmp_path):

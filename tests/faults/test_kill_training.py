@@ -67,16 +67,27 @@ def test_kill9_training_20x_no_stale_shared_memory_no_restart_from_zero_no_repla
         # workers notice their parent is gone and exit
         assert_nothing_left(kids, shm, tmpdir, what=f"cycle {cycle}, after kill -9: ")
 
+    def logged(pid: int) -> tuple[bool, int]:
+        """Whether run ``pid`` has loaded its checkpoint, and how many batches it has logged."""
+        run = [e for e in read_log(log) if e["pid"] == pid]
+        return any(e.get("event") == "start" for e in run), sum("c" in e for e in run)
+
     def wait_then_kill(cycle, proc, t0):
+        # Kills are placed by what the run has logged, not by seconds alone: the first batch
+        # comes ~5 ms after "start" on an idle 2-core machine, but 0.1-0.45 s after it with both
+        # cores busy (and later still under heavier load), so kills due "0.1-0.7 s after start"
+        # stopped landing mid-iteration as the machine got busier.
         if cycle % 4 == 0:  # during start-up: imports, opening the stores, spawning workers
             time.sleep(max(0.0, t0 + rng.uniform(0.05, 1.2) - time.monotonic()))
             return
-        # else once the checkpoint is loaded: while spawning workers or iterating
-        while not any(e.get("event") == "start" and e["pid"] == proc.pid for e in read_log(log)):
+        # else once the checkpoint is loaded (1: while spawning workers or iterating), or
+        # (2, 3) mid-iteration: after the run's n-th batch, n from 1 to 4 checkpoints' worth
+        batches = 0 if cycle % 4 == 1 else rng.randint(1, 4 * args["ckpt_every"])
+        while not ((got := logged(proc.pid))[0] and got[1] >= batches):
             assert time.monotonic() - t0 < FIRST_BATCH_TIMEOUT, f"cycle {cycle}: hangs on resume"
             assert proc.poll() is None, proc.stderr.read().decode()
             time.sleep(0.01)
-        time.sleep(rng.uniform(0.1, 0.7))
+        time.sleep(rng.uniform(0.1, 0.7) if batches == 0 else rng.uniform(0, 0.05))
 
     for cycle in range(SIZE.train_kills):
         expected_starts.append(json.loads(ckpt.read_text())["consumed_samples"]

@@ -9,7 +9,8 @@ Endpoint and credentials come from the usual places (``AWS_ENDPOINT_URL``,
 The cache directory (``$TOKENMILL_CACHE_DIR``, default ``~/.cache/tokenmill``)::
 
     shards/
-      .lock                            held (exclusive) while usage is counted and entries evicted
+      .lock                            held (exclusive) while usage is counted and entries
+                                       evicted, and while a download is renamed into place
       <xxh3>-<size>.bin                a verified copy, named by its content: a store prepared
       <xxh3>-<size>.bin.lock             again with other bytes never hits a stale copy
       <xxh3>-<size>.bin.tmp-<pid>-<n>  a download in progress (or left by a killed process)
@@ -20,11 +21,14 @@ Rules, each held with ``fcntl.flock`` on the entry's ``.lock`` file so that thre
 sharing the directory agree:
 
 - a download holds the lock exclusively, writes a temporary file, checks size and xxh3 against the
-  manifest, fsyncs and renames: a data file is always complete and verified;
+  manifest, fsyncs and renames (under ``.lock``: a count never misses the file between its two
+  names): a data file is always complete and verified;
 - a reader holds it shared for as long as the file is memory-mapped (a *pin*);
 - eviction takes, least recently used first (mtime, set on every use), only entries whose lock it
   gets exclusively without waiting, so a pinned shard is never evicted; usage counts data files
-  and downloads in progress (their temporary file is sized up front) against ``max_bytes``;
+  and downloads in progress (their temporary file is sized up front) against ``max_bytes``, a
+  hard bound on the bytes in ``shards/``, pinned files included: a download that would pass it
+  waits for downloads in flight, then raises CacheFullError;
 - a temporary file whose lock nobody holds is debris of a killed download: the next download of
   that entry, or the next eviction pass, deletes it.
 """
@@ -165,16 +169,17 @@ class ShardCache:
             _ACTIVE_TMP.add(tmp)
             try:
                 self._download(url, tmp, size, xxh3, cancel)
-                os.replace(tmp, path)
+                self._land(tmp, path, fd)
+                fd = None  # released by _land
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
             finally:
                 _ACTIVE_TMP.discard(tmp)
-            _touch(path)
             return path
         finally:
-            unlock(fd)
+            if fd is not None:
+                unlock(fd)
 
     def pin(self, url: str, size: int, xxh3: str) -> Pin:
         """Like ``fetch``, and hold the file in place (shared lock) until the Pin is released."""
@@ -204,13 +209,17 @@ class ShardCache:
         return sorted(out, key=lambda e: (e.last_used_ns, e.name))
 
     def usage(self) -> int:
-        """Bytes held: verified files plus downloads in progress."""
-        total = 0
-        for p in self.dir.iterdir():
-            if _is_data(p.name) or ".tmp-" in p.name:
-                with contextlib.suppress(FileNotFoundError):  # evicted meanwhile
-                    total += p.stat().st_size
-        return total
+        """Bytes held: verified files plus downloads in progress (at most ``max_bytes``)."""
+        fd = lock_file(self.dir / ".lock", exclusive=False)  # no download lands while we count
+        try:
+            total = 0
+            for p in self.dir.iterdir():
+                if _is_data(p.name) or ".tmp-" in p.name:
+                    with contextlib.suppress(FileNotFoundError):  # a failed download removed
+                        total += p.stat().st_size
+            return total
+        finally:
+            unlock(fd)
 
     @staticmethod
     def entry_name(url: str, size: int, xxh3: str) -> str:
@@ -290,6 +299,21 @@ class ShardCache:
             if self._evict(name):
                 used -= nbytes
         return used, inflight
+
+    def _land(self, tmp: Path, path: Path, entry_fd: int) -> None:
+        """Rename a finished download into place and release its entry's lock, both under the
+        cache's global lock. A rename between an eviction pass's listing and its ``stat`` would
+        hide the file under both names (the pass would count neither and let a download more
+        in, past ``max_bytes``); an entry lock still held after the global one is released would
+        make a waiting pass take the new file for a pinned one (no download in flight, nothing
+        to evict: CacheFullError)."""
+        fd = lock_file(self.dir / ".lock")
+        try:
+            os.replace(tmp, path)
+            _touch(path)
+            unlock(entry_fd)
+        finally:
+            unlock(fd)
 
     def _stale_tmp(self, tmp: Path) -> bool:
         """Delete ``tmp`` if no download holds its entry's lock; True if it was stale."""
