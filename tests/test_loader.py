@@ -424,16 +424,8 @@ def test_a_second_thread_iterating_stops_the_first_loudly_even_mid_batch(store, 
         first = iter(ld)
         next(first)
         monkeypatch.setattr(plan_mod.BatchPlan, "fill", slow_fill)
-        outcome = []
-
-        def training_loop():  # waits inside next() while the other thread takes over
-            try:
-                outcome.append(next(first))
-            except BaseException as e:  # noqa: BLE001 - record what the loop meets
-                outcome.append(e)
         inside.clear()
-        loop = threading.Thread(target=training_loop)
-        loop.start()
+        loop, outcome = in_thread(lambda: next(first))  # waits inside next(): the other takes over
         assert inside.wait(5)
         second = iter(ld)
         loop.join(10)
@@ -441,6 +433,20 @@ def test_a_second_thread_iterating_stops_the_first_loudly_even_mid_batch(store, 
         monkeypatch.setattr(plan_mod.BatchPlan, "fill", real_fill)
         assert same(take(second, 1), [ld.batch_at(4)])  # the second goes on from batch 1
 
+
+
+def in_thread(body) -> tuple[threading.Thread, list]:
+    """Run ``body`` in a started thread; what it returns or raises lands in the list."""
+    outcome: list = []
+
+    def run():
+        try:
+            outcome.append(body())
+        except BaseException as e:  # noqa: BLE001 - record what the loop meets
+            outcome.append(e)
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
 
 
 @pytest.mark.parametrize("workers", [0, 1])
@@ -460,17 +466,12 @@ def test_close_from_another_thread_stops_its_iterator_with_stale_iterator(store,
     it = iter(ld)
     next(it)
     monkeypatch.setattr(plan_mod.BatchPlan, "fill", held_fill)
-    outcome = []
 
     def training_loop():
-        try:
-            while True:
-                next(it)
-        except BaseException as e:  # noqa: BLE001 - record what the loop meets
-            outcome.append(e)
+        while True:
+            next(it)
     inside.clear()
-    loop = threading.Thread(target=training_loop)
-    loop.start()
+    loop, outcome = in_thread(training_loop)
     assert inside.wait(5)
     closing = threading.Thread(target=ld.close)
     closing.start()
