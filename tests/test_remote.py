@@ -207,6 +207,26 @@ def test_credentials_from_storage_options_alone(remote_store, s3, tmp_path, monk
         assert st.open_args()["storage_options"] == opts
 
 
+def test_explain_reads_a_remote_stores_sidecars_with_its_storage_options(s3, tmp_path,
+                                                                          monkeypatch):
+    texts = [f"document {i} " + "word " * (40 + i % 7) for i in range(60)]
+    src = write_jsonl(tmp_path / "in.jsonl", texts)
+    prepare([str(src)], out=tmp_path / "local", shard_tokens=2_000)
+    url = s3.put_dir(tmp_path / "local", "explained")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens: unused
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var)
+    opts = {"key": "testing", "secret": "testing", "endpoint_url": s3.endpoint,
+            "skip_instance_cache": True}
+    with TokenStore(url, cache_dir=tmp_path / "cache", storage_options=opts) as st, \
+            tokenmill.Loader(st, seq_len=64, batch_size=2, num_workers=0) as ld:
+        pieces = [p for k in range(3) for row in ld.explain(k) for p in row.pieces]
+    assert pieces and all(p.file == str(src) and "unknown" not in p.source for p in pieces), \
+        pieces[:3]
+    for p in pieces:  # the line a piece names holds the document it came from
+        assert texts[p.line - 1].startswith(f"document {p.line - 1} ")
+
+
 def test_shard_cache_evicts_least_recently_used_and_never_a_pinned_file(s3, tmp_path):
     rng = np.random.default_rng(0)
     blobs = {k: rng.integers(0, 256, 1000, dtype=np.uint8).tobytes() for k in "abcde"}

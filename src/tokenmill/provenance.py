@@ -100,7 +100,8 @@ class _Sidecars:
             return SOURCE_UNKNOWN
         where = f"{os.fspath(self.store.path)}/{entry['name']}.src"
         try:
-            data = read_bytes(where) if self.store.url else Path(where).read_bytes()
+            data = (read_bytes(where, self.store.open_args().get("storage_options"))
+                    if self.store.url else Path(where).read_bytes())
             if data is None or xxhash.xxh3_64_hexdigest(data) != entry["src_xxh3"]:
                 raise StoreError(f"{where}: missing or damaged (checksum mismatch)")
             origins = parse_src(data, where)
