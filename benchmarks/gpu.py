@@ -2,7 +2,8 @@
 ``tokenmill.torch.to_torch``, copy overlap, raw H2D bandwidth, and JAX ``to_jax`` against
 ``jax.device_put``.
 
-    PYTHONPATH=src python3 benchmarks/gpu.py                # one CUDA GPU: the full run (< 4 min)
+    PYTHONPATH=src python3 benchmarks/gpu.py                # one CUDA GPU: the full run (budget
+                                                            # 210 s: under 4 min in all)
     PYTHONPATH=src python3 benchmarks/gpu.py --dry-run      # CPU, tiny model, same code (< 60 s)
 
 Options: ``--json PATH`` (the results are also written to ``$OUT/gpu.json`` when ``OUT`` is set;
@@ -16,7 +17,8 @@ files (the built-in byte tokenizer: no download), read in the layouts concat and
 batches carry segment_ids, positions and loss_mask to the device with the batch: the loss uses
 the mask, attention ignores the segments). A GPT written here — 8 layers, d_model 768, 12 heads,
 seq_len 1024, batch 16 (--dry-run: 2 layers, d_model 64, 4 heads, seq_len 128, batch 4), bf16
-autocast on CUDA, fp32 on CPU, ``scaled_dot_product_attention``, fused AdamW, no torch.compile —
+autocast and fused AdamW on CUDA, fp32 and one torch thread on CPU, causal
+``scaled_dot_product_attention``, no torch.compile —
 trained through two feeds of the same batches (the first batch of each is checked equal):
 
 - naive: ``next(loader)`` numpy → ``torch.from_numpy(a).to(device)``, synchronous, every step;
@@ -44,8 +46,9 @@ each feed has its warm-up steps first):
   ``XLA_PYTHON_CLIENT_PREALLOCATE=false``; a crash there costs only this section): batches/s
   of ``tokenmill.jax.to_jax(loader, sharding)`` against ``jax.device_put(batch, sharding)`` per
   step (concat, int32), feeding alone (each batch waited for) and with a jitted MLP
-  language-model step (d_model and layers as the GPT's, no attention; each loss waited for). Skipped, with the reason, when jax does not import or sees no GPU; with
-  --dry-run it runs on jax's CPU device, so the test suite covers its code.
+  language-model step (d_model and layers as the GPT's, no attention; each loss waited for).
+  Skipped, with the reason, when jax does not import or sees no GPU; with --dry-run it runs on
+  jax's CPU device, so the test suite covers its code.
 
 On a CPU (--dry-run) both torch feeds hand out tensors over the loader's own buffers (no copy:
 ``.to("cpu")`` returns the tensor), the profiler sees no host-to-device copy, and the bandwidth
@@ -143,7 +146,7 @@ def read_facts(setup: Setup) -> dict[str, Any]:
     facts = {"mode": "dry-run" if setup.dry_run else "full", "python": platform.python_version(),
              "cpu_count": os.cpu_count(), "usable_cores": usable_cores(),
              "torch": torch.__version__, "numpy": np.__version__,
-             "tokenmill": tokenmill.__version__,
+             "tokenmill": tokenmill.__version__, "tokenmill_file": tokenmill.__file__,
              "torch_threads": torch.get_num_threads(),
              "device": setup.device, "device_name": platform.processor() or platform.machine()}
     if setup.device == "cuda":
@@ -744,6 +747,11 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        import tokenmill  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"gpu.py: tokenmill does not import ({e}); run it from the repository "
+                         "root as PYTHONPATH=src python3 benchmarks/gpu.py, or install tokenmill")
     setup = choose_setup(args)
     budget = Budget(args.budget_s or BUDGET_S[setup.dry_run])
     paths = [p for p in (args.json, os.environ.get("OUT") and Path(os.environ["OUT"]) / "gpu.json")

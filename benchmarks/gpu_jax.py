@@ -33,7 +33,10 @@ def jax_measure(store: str, vocab: int, setup: Setup) -> dict[str, Any]:
     except Exception as e:  # not installed, or a plugin that fails at import
         return {"skipped": f"jax does not import here ({type(e).__name__}: {e})"}
     import jaxlib
-    devices = jax.devices()
+    try:
+        devices = jax.devices()
+    except Exception as e:  # a backend asked for (JAX_PLATFORMS) that fails to start
+        return {"skipped": f"jax {jax.__version__} starts no backend ({type(e).__name__}: {e})"}
     facts = {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
              "backend": jax.default_backend(), "devices": [str(d) for d in devices],
              "device_kind": devices[0].device_kind}
