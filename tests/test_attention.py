@@ -264,26 +264,33 @@ def paragraph_store(tmp_path_factory):
 @pytest.mark.parametrize("cap", [1, 2, 8])
 def test_max_segments_caps_every_row_and_reports_its_padding(paragraph_store, tmp_path, cap):
     from tokenmill import Loader
-    kw = dict(seq_len=512, batch_size=4, layout="packed", num_workers=0, cache_dir=tmp_path)
+    from tokenmill.packplan import epoch_layout
+    kw = dict(seq_len=512, batch_size=4, layout="packed", num_workers=0)
     with Loader(paragraph_store, **kw) as free, Loader(paragraph_store, max_segments=cap, **kw) as capped:
-        layout = capped.plan.sources[0].packed
-        assert np.diff(layout.row_ptr).max() <= cap  # every row of the layout
+        layout = epoch_layout(capped.plan.sources[0].packed, 0)
+        free_layout = epoch_layout(free.plan.sources[0].packed, 0)
+        assert np.diff(layout.row_ptr).max() <= cap  # every row of the epoch
         for batch in capped.batch_at(0), capped.batch_at(capped.samples_per_epoch - 4):
             assert batch["segment_ids"].max(axis=1).max() <= cap
         stats, base = capped.layout_stats, free.layout_stats
         assert stats["max_segments"] == cap and stats["most_segments"] <= cap
         assert base["max_segments"] is None and base["most_segments"] > 8  # the cap binds
         used = int(layout.seg_len.sum())
-        assert stats["padding_fraction"] == pytest.approx(1 - used / (layout.num_rows * 513))
+        assert stats["padding_at_most"] >= 1 - used / (layout.num_rows * 513) - 1e-12
         assert stats["num_truncated"] == base["num_truncated"]  # the cap cuts no document
-        assert stats["padding_fraction"] > base["padding_fraction"]  # what the cap costs
+        assert layout.padding_fraction > free_layout.padding_fraction  # what the cap costs
         if cap == 1:
             assert layout.num_rows == len(layout.seg_len)  # one segment a row
         assert capped.fingerprint != free.fingerprint  # the cap changes the stream
-        # the same tokens are packed, whatever the cap: every segment once
-        assert sorted(layout.seg_start.tolist()) == sorted(free.plan.sources[0].packed.seg_start.tolist())
-    names = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".npz")
-    assert [n.endswith(f"-seq512-seg{cap}.npz") for n in names] == [True, False]  # one cache each
+        # the same pairs are packed, whatever the cap: every (input, target) pair once
+        assert sorted(pairs_of(layout)) == sorted(pairs_of(free_layout))
+    assert list(tmp_path.iterdir()) == []  # nothing written anywhere
+
+
+def pairs_of(layout) -> list[int]:
+    """The global token each (input, target) pair of the layout starts at."""
+    return np.concatenate([np.arange(s, s + n - 1) for s, n in
+                           zip(layout.seg_start.tolist(), layout.seg_len.tolist())]).tolist()
 
 
 def test_max_segments_is_checked():
@@ -294,30 +301,22 @@ def test_max_segments_is_checked():
         LayoutConfig(seq_len=8, layout="concat", max_segments=2)
 
 
-def test_a_capped_layout_is_cached_and_read_back(tmp_path):
-    lengths = np.random.default_rng(0).integers(1, 10, size=500)
-    built = pack.load_or_build_packed(tmp_path, key="k", doc_lengths=lengths, seq_len=32,
-                                      max_segments=3)
-    again = pack.load_or_build_packed(tmp_path, key="k", doc_lengths=lengths, seq_len=32,
-                                      max_segments=3)
-    assert again.max_segments == 3 and (again.row_ptr == built.row_ptr).all()
-    assert again.most_segments == 3
-    free = pack.load_or_build_packed(tmp_path, key="k", doc_lengths=lengths, seq_len=32)
-    assert free.max_segments is None and free.most_segments > 3
-
-
 def test_inspect_reports_the_packing_and_its_cap(paragraph_store, capsys):
     import json
 
     from tokenmill.cli import main
+    from tokenmill.packplan import PackedPlan, epoch_layout
     assert main(["inspect", str(paragraph_store), "--seq-len", "512", "--max-segments", "2"]) == 0
     line = capsys.readouterr().out.splitlines()[-1]
     from tokenmill import TokenStore
     with TokenStore(paragraph_store) as store:
-        layout = pack.pack_documents(store.doc_lengths, 512, max_segments=2)
+        plan = PackedPlan(store, seq_len=512, max_segments=2, seed=0, salt=0)
+        layout = epoch_layout(plan, 0)
+        cut = sum(plan.window_rows(0, w).num_cut for w in range(plan.num_windows()))
+        docs = len(np.unique(layout.seg_doc))
     assert line == (f"packed       seq_len 512, max_segments 2: {layout.num_rows:,} rows, padding "
                     f"{100 * layout.padding_fraction:.2f}%, {layout.num_truncated:,} documents "
-                    "cut, at most 2 a row")
+                    f"longer than a row, {cut:,} of {docs:,} more cut across rows, at most 2 a row")
     assert main(["inspect", str(paragraph_store), "--json", "--seq-len", "512"]) == 0
     packing = json.loads(capsys.readouterr().out)["packing"]
     assert packing["max_segments"] is None and packing["most_segments"] > 2
@@ -329,7 +328,7 @@ def test_a_capped_loader_keeps_its_cap_in_a_token_dataset(paragraph_store, tmp_p
     from tokenmill import Loader
     from tokenmill.torch import TokenDataset
     loader = Loader(paragraph_store, seq_len=512, batch_size=4, layout="packed", max_segments=2,
-                    num_workers=0, cache_dir=tmp_path)
+                    num_workers=0)
     with loader:
         want = loader.batch_at(0)["segment_ids"].copy()
         got = next(iter(TokenDataset(loader)))["segment_ids"].numpy()

@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
      "tokenmill.tokenizer_files", "tokenmill.tokenizer", "tokenmill.pack", "tokenmill.rows",
      "tokenmill.attention",
      "tokenmill.mixture"),
+    ("tokenmill.packplan",),
     ("tokenmill.store.format",),
     ("tokenmill.store.cache", "tokenmill.store.upload", "tokenmill.store.shards"),
     ("tokenmill.store.writer", "tokenmill.store.reader"),

@@ -1,22 +1,17 @@
 """Sample layouts: concat windows stay inside the stream; packed rows hold every pair exactly once."""
 
-import os
-import warnings
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill import pack
 from tokenmill.errors import ConfigError
 from tokenmill.pack import (
-    PackedLayout,
     concat_num_samples,
     concat_offset,
     concat_starts,
     fill_packed_rows,
-    load_or_build_packed,
     pack_documents,
 )
 
@@ -255,100 +250,6 @@ def test_read_callable_and_destination_rows_give_the_same_batch():
     assert np.all(out["inputs"][[3, 4]] == -1)
     with pytest.raises(ConfigError, match=str(layout.num_rows)):
         fill_packed_rows(layout, np.array([layout.num_rows]), tokens, out)
-
-
-# ---- cache ------------------------------------------------------------------------------------
-
-
-def same_layout(a: PackedLayout, b: PackedLayout) -> bool:
-    return (a.seq_len == b.seq_len and a.num_truncated == b.num_truncated
-            and a.num_dropped_tokens == b.num_dropped_tokens
-            and all(np.array_equal(getattr(a, k), getattr(b, k))
-                    for k in ("row_ptr", "seg_start", "seg_len", "seg_doc")))
-
-
-@pytest.fixture
-def lengths():
-    return random_lengths(np.random.default_rng(11), 400, 32)
-
-
-def cache_file(tmp_path):
-    (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".npz"]
-    return path
-
-
-def test_cache_round_trip(tmp_path, lengths, monkeypatch):
-    built = load_or_build_packed(tmp_path, key="fp-1", doc_lengths=lengths, seq_len=32)
-    assert same_layout(built, pack_documents(lengths, 32))
-    assert [p.name for p in tmp_path.iterdir()] == ["packed-fp-1-seq32.npz"]  # no temp files left
-
-    def boom(*a, **k):
-        raise AssertionError("rebuilt although a valid cache exists")
-
-    monkeypatch.setattr(pack, "pack_documents", boom)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        loaded = load_or_build_packed(tmp_path, key="fp-1", doc_lengths=lengths, seq_len=32)
-    assert same_layout(loaded, built)
-    assert not loaded.row_ptr.flags.writeable
-
-
-@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
-def test_damaged_cache_is_detected_and_rebuilt(tmp_path, lengths, damage):
-    built = load_or_build_packed(tmp_path, key="k", doc_lengths=lengths, seq_len=32)
-    path = cache_file(tmp_path)
-    data = bytearray(path.read_bytes())
-    if damage == "flip":  # inside the seg_start array's data: the zip itself stays readable
-        at = data.index(np.asarray(built.seg_start[:4]).tobytes()) + 2
-        data[at] ^= 0xFF
-    elif damage == "truncate":
-        data = data[: len(data) // 2]
-    else:
-        data = bytearray(b"not a zip file at all")
-    path.write_bytes(bytes(data))
-    with pytest.warns(UserWarning, match="rebuilding"):
-        again = load_or_build_packed(tmp_path, key="k", doc_lengths=lengths, seq_len=32)
-    assert same_layout(again, built)
-    with warnings.catch_warnings():  # and the rebuilt cache is good again
-        warnings.simplefilter("error")
-        assert same_layout(load_or_build_packed(tmp_path, key="k", doc_lengths=lengths,
-                                                seq_len=32), built)
-
-
-def test_cache_of_other_documents_or_version_is_rebuilt(tmp_path, lengths, monkeypatch):
-    load_or_build_packed(tmp_path, key="k", doc_lengths=lengths, seq_len=32)
-    other = lengths[:-1]
-    with pytest.warns(UserWarning, match="other documents"):
-        got = load_or_build_packed(tmp_path, key="k", doc_lengths=other, seq_len=32)
-    assert same_layout(got, pack_documents(other, 32))
-    monkeypatch.setattr(pack, "FORMAT_VERSION", pack.FORMAT_VERSION + 1)
-    with pytest.warns(UserWarning, match="format version"):
-        load_or_build_packed(tmp_path, key="k", doc_lengths=other, seq_len=32)
-
-
-def test_seq_len_is_part_of_the_cache_name(tmp_path, lengths):
-    a = load_or_build_packed(tmp_path, key="k", doc_lengths=lengths, seq_len=32)
-    b = load_or_build_packed(tmp_path, key="k", doc_lengths=lengths, seq_len=16)
-    assert a.seq_len == 32 and b.seq_len == 16
-    assert len(list(tmp_path.iterdir())) == 2
-
-
-def test_unwritable_cache_dir_builds_in_memory_and_warns_once(tmp_path, lengths):
-    blocker = tmp_path / "file"
-    blocker.write_text("a file where the cache directory should be")
-    cache = blocker / "cache"
-    with pytest.warns(UserWarning, match="cannot write") as record:
-        a = load_or_build_packed(cache, key="k", doc_lengths=lengths, seq_len=32)
-        b = load_or_build_packed(cache, key="k", doc_lengths=lengths, seq_len=32)
-    assert len([w for w in record if "cannot write" in str(w.message)]) == 1
-    assert same_layout(a, b)
-    assert os.listdir(tmp_path) == ["file"]
-
-
-@pytest.mark.parametrize("key", ["", "a/b", "../x", "a b"])
-def test_bad_cache_key_is_a_config_error(tmp_path, key):
-    with pytest.raises(ConfigError, match="key"):
-        load_or_build_packed(tmp_path, key=key, doc_lengths=np.array([3]), seq_len=4)
 
 
 def test_fill_metadata_the_docstring_row():

@@ -119,23 +119,24 @@ def test_packed_rows_by_slices_equal_the_index_gather_path(tmp_path, dtype):
     path = write_positional_store(tmp_path / "s", lengths, shard_tokens=700)
     plan = BatchPlan.open(path, LayoutConfig(seq_len=64, layout="packed"), dtype=dtype)
     src = plan.sources[0]
-    n, compared = src.packed.num_rows, 0
+    layout = src.packed.window_rows(0, 0).layout  # a window's rows: the whole store here
+    n, compared = layout.num_rows, 0
     for first in range(0, n - 3, 3):
         addrs, rows = np.arange(first, first + 3)[::-1].copy(), np.array([0, 2, 3])
         got, want = plan.new_buffers(4), plan.new_buffers(4)
         for a, b in zip(got.values(), want.values()):
             a.fill(7)
             b.fill(7)
-        sliced = src.rows.packed(src.packed, addrs, src.row_starts(addrs), rows, got)
+        sliced = src.rows.packed(layout, addrs, one_piece_starts(layout, addrs), rows, got)
         compared += sliced
-        n_segs = int(src.packed.row_ptr[addrs + 1].sum() - src.packed.row_ptr[addrs].sum())
+        n_segs = int(layout.row_ptr[addrs + 1].sum() - layout.row_ptr[addrs].sum())
         assert sliced == (n_segs <= SLICE_SEGMENTS)  # more: left to the index gather
         if not sliced:
             continue
-        pack.fill_packed_rows(src.packed, addrs, src.store.tokens, want, rows)
+        pack.fill_packed_rows(layout, addrs, src.store.tokens, want, rows)
         for k in want:
             assert np.array_equal(got[k], want[k]), (first, k)
-    assert compared > 50 and src.packed.most_segments > 1 and src.packed.padding_fraction > 0
+    assert compared > 50 and layout.most_segments > 1 and layout.padding_fraction > 0
     plan.close()
 
 

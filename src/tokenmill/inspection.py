@@ -8,13 +8,14 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenmill import pack
 from tokenmill.errors import TokenmillError
 from tokenmill.io import atomic_write_bytes, is_url, redact
+from tokenmill.packplan import PackedPlan
 from tokenmill.prepare.split import split_line, split_of, split_paths
 from tokenmill.store import TokenStore
 
 PERCENTILES = (0, 10, 50, 90, 99, 100)
+MEASURED_WINDOWS = 64  # windows inspect packs: a few seconds on any store
 
 
 def length_percentiles(lengths: np.ndarray) -> dict[str, int]:
@@ -79,23 +80,37 @@ def describe(path: str | os.PathLike) -> dict:
         }
 
 
-def packing_quality(path: str | os.PathLike, seq_len: int, max_segments: int | None = None
-                    ) -> dict:
-    """How the packed layout of rows of seq_len + 1 tokens fits this store: rows, padding
-    fraction, documents cut into pieces, the most documents in a row."""
+def packing_quality(path: str | os.PathLike, seq_len: int, max_segments: int | None = None,
+                    *, most_windows: int = MEASURED_WINDOWS) -> dict:
+    """How the Loader's packed rows of seq_len + 1 tokens fit this store (seed 0, epoch 0):
+    rows, padding fraction, documents longer than a row, documents cut across rows beyond
+    those, the most documents in a row — measured on every window, or on ``most_windows``
+    spread over the epoch (then padding and cuts are those windows' figures)."""
     with TokenStore(path) as store:
-        layout = pack.pack_documents(store.doc_lengths, seq_len, max_segments)
-    return {"seq_len": layout.seq_len, "max_segments": max_segments, "rows": layout.num_rows,
-            "padding_fraction": layout.padding_fraction, "num_truncated": layout.num_truncated,
-            "most_segments": layout.most_segments}
+        plan = PackedPlan(store, seq_len=seq_len, max_segments=max_segments, seed=0, salt=0)
+        n = plan.num_windows()
+        picks = sorted({i * n // min(n, most_windows) for i in range(min(n, most_windows))})
+        parts = [plan.window_rows(0, w) for w in picks]
+    rows = sum(p.layout.num_rows for p in parts)
+    used = sum(int(p.layout.seg_len.sum()) for p in parts)
+    docs = sum(len(np.unique(p.layout.seg_doc)) for p in parts)
+    return {"seq_len": seq_len, "max_segments": max_segments, "rows": plan.num_rows,
+            "padding_fraction": 1 - used / (rows * (seq_len + 1)),
+            "num_truncated": sum(p.layout.num_truncated for p in parts),
+            "documents_cut": sum(p.num_cut for p in parts), "documents": docs,
+            "most_segments": max(p.layout.most_segments for p in parts),
+            "windows_measured": len(picks), "windows": n}
 
 
 def format_packing(q: dict) -> str:
     """One line for ``packing_quality``'s dict."""
     cap = "" if q["max_segments"] is None else f", max_segments {q['max_segments']}"
+    some = "" if q["windows_measured"] == q["windows"] else \
+        f" (measured on {q['windows_measured']} of {q['windows']:,} windows)"
     return (f"packed       seq_len {q['seq_len']}{cap}: {q['rows']:,} rows, padding "
-            f"{100 * q['padding_fraction']:.2f}%, {q['num_truncated']:,} documents cut, "
-            f"at most {q['most_segments']} a row")
+            f"{100 * q['padding_fraction']:.2f}%, {q['num_truncated']:,} documents longer than a "
+            f"row, {q['documents_cut']:,} of {q['documents']:,} more cut across rows, at most "
+            f"{q['most_segments']} a row{some}")
 
 
 def format_description(info: dict) -> str:

@@ -30,6 +30,7 @@ from tokenmill.lifetime import Iteration, OneIterator, Pass
 from tokenmill.mixture import described_phases
 from tokenmill.options import LoaderOptions
 from tokenmill.pacing import Pacer
+from tokenmill.packplan import PACKING
 from tokenmill.plan import (STATE_VERSION, BatchPlan, LayoutConfig, batch_at, global_positions, resolve_rank)
 from tokenmill.procs import resolve_workers, usable_cores
 from tokenmill.provenance import RowOrigin, explain_positions
@@ -79,14 +80,12 @@ class Loader(OneIterator):
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self.batch_size = int(batch_size)
         self.epochs, self.worker_type = opts.epochs, opts.worker_type
-        self.cache_dir = None if opts.cache_dir is None else str(opts.cache_dir)
         self.num_workers = _resolve_workers(num_workers)
         # "auto": inline or one worker ahead, decided by measured times (pacing.Pacer)
         self.pacer = Pacer(handoff_s=pacing.HANDOFF_S) if num_workers == "auto" and \
             self.num_workers else None
         self.prefetch = _resolve_prefetch(opts.prefetch, self.num_workers)
-        self.plan = BatchPlan.open(source, self.config, dtype=opts.dtype, cache_dir=self.cache_dir,
-                                   mixture=opts.mixture)
+        self.plan = BatchPlan.open(source, self.config, dtype=opts.dtype, mixture=opts.mixture)
         self._finalizer = weakref.finalize(self, _shutdown, None)
         self.weights, self.fingerprint = self.plan.weights, self.plan.fingerprint
         self.samples_per_epoch = self.plan.samples_per_epoch
@@ -370,7 +369,8 @@ class Loader(OneIterator):
                 "mixture": described_phases(mix) if mix.named else None,
                 "seq_len": config.seq_len, "layout": config.layout, "seed": config.seed,
                 "max_segments": config.max_segments, "batch_size": self.batch_size,
-                "world_size": self.world_size, "num_workers": self.num_workers}
+                "world_size": self.world_size, "num_workers": self.num_workers,
+                **({"packing": PACKING} if config.layout == "packed" else {})}
 
     def resume_report(self, state: Mapping[str, Any]) -> list[Difference]:
         """How ``state`` and this loader differ (``Difference(what, safe)``, unsafe first); a
@@ -394,17 +394,20 @@ class Loader(OneIterator):
 
     @property
     def layout_stats(self) -> dict[str, Any]:
-        """Samples per epoch; packed: padding fraction, documents cut (num_truncated), the
-        max_segments cap and the most segments any row holds."""
+        """Samples per epoch; packed: an upper bound on padding (from the rows an epoch is
+        allotted), and over the windows this process has packed so far: documents packed, cut
+        across rows beyond what packing each window alone cuts (``documents_cut``), longer than
+        a row (``num_truncated``), the most segments a row holds; the max_segments cap."""
         stats: dict[str, Any] = {"samples_per_epoch": self.samples_per_epoch,
                                  "steps_per_epoch": len(self)}
         if self.plan.packed:
-            rows = sum(s.packed.num_rows for s in self.plan.sources)
-            stats["padding_fraction"] = sum(s.packed.padding_fraction * s.packed.num_rows
-                                            for s in self.plan.sources) / rows
-            stats["num_truncated"] = sum(s.packed.num_truncated for s in self.plan.sources)
+            plans = [s.packed.stats() for s in self.plan.sources]
+            rows = sum(p["rows"] for p in plans)
+            stats["padding_at_most"] = sum(p["padding_at_most"] * p["rows"] for p in plans) / rows
+            for key in ("windows_packed", "documents_packed", "documents_cut", "num_truncated"):
+                stats[key] = sum(p[key] for p in plans)
             stats["max_segments"] = self.config.max_segments
-            stats["most_segments"] = max(s.packed.most_segments for s in self.plan.sources)
+            stats["most_segments"] = max(p["most_segments"] for p in plans)
         if self.plan.schedule is not None:
             stats["mixture_weights"] = [float(w) for w in self.plan.schedule.weights]
         return stats

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Sequence
 
@@ -23,7 +24,7 @@ class LoaderOptions:
     epochs: int | None = None  # stop after this many epochs (None: run forever)
     dtype: str = "int32"  # of inputs/targets: "int32" or "int64"
     worker_type: str = "thread"  # "thread" or "process"
-    cache_dir: str | os.PathLike | None = None  # where packed layouts are cached
+    cache_dir: str | os.PathLike | None = None  # unused since packed rows are planned lazily
     max_segments: int | None = None  # packed: at most this many documents a row (kernel limits)
     # named stores: [(first global sample, {name: weight}), …] phases (docs/mixing.md)
     mixture: Sequence | None = None
@@ -37,6 +38,10 @@ class LoaderOptions:
             raise ConfigError(f"epochs must be None or an int >= 1 (got epochs={self.epochs!r})")
         if np.dtype(self.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
             raise ConfigError(f"dtype must be 'int32' or 'int64' (got dtype={self.dtype!r})")
+        if self.cache_dir is not None:
+            warnings.warn("Loader(cache_dir=…) is no longer used: the packed layout is planned "
+                          "lazily and writes nothing; drop the argument", DeprecationWarning,
+                          stacklevel=4)
         if self.worker_type not in WORKER_TYPES:
             raise ConfigError(f"worker_type must be 'thread' or 'process' "
                               f"(got {self.worker_type!r})")

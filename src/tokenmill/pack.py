@@ -11,34 +11,17 @@ packed: rows of C = seq_len + 1 tokens, each a list of segments (whole documents
 documents longer than C), placed by best-fit decreasing; padding is token 0 and the loss mask is 0
 wherever input and target do not belong to the same segment. With max_segments = m (kernels
 with a segment limit) a row takes at most m segments, filled one row at a time (``_fair_fill``).
-
-Cache file (`packed-<key>-seq<seq_len>[-seg<m>].npz`, uncompressed, temp name + os.replace):
-    meta      int64[6]   FORMAT_VERSION, seq_len, num_truncated, num_dropped_tokens, num_docs,
-                         max_segments (0: no cap; a file of 5 entries, written before, means 0)
-    lengths   uint64[1]  xxh3-64 of the int64 doc_lengths the layout was built from
-    row_ptr   int64[num_rows + 1]
-    seg_start int64[S]   global token offset of each segment
-    seg_len   int64[S]
-    seg_doc   int64[S]   document id of each segment
-    checksum  uint64[1]  xxh3-64 of the bytes of all the arrays above, in this order
+The Loader packs a store window by window (``packplan``); ``pack_documents`` packs one list of
+documents, as a window, a streaming pass or ``inspect`` needs.
 """
 
 from __future__ import annotations
 
-import glob
 import heapq
-import os
-import re
-import socket
-import tempfile
-import warnings
-import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-import xxhash
 
 from tokenmill.errors import ConfigError
 from tokenmill.sampler import exclusive_cumsum, hash_ints, ranges
@@ -50,15 +33,13 @@ __all__ = [
     "concat_offset",
     "concat_starts",
     "fill_packed_rows",
-    "load_or_build_packed",
     "pack_documents",
+    "pieces",
+    "place",
+    "truncation",
 ]
 
-FORMAT_VERSION = 1
 _TAG_CONCAT = 0x636F6E63  # "conc": separates concat offsets from other uses of hash_ints
-_KEY = re.compile(r"[A-Za-z0-9._-]+")
-_ARRAYS = ("meta", "lengths", "row_ptr", "seg_start", "seg_len", "seg_doc")
-_warned_unwritable: set[str] = set()
 
 
 def _check_seq_len(seq_len: int) -> int:
@@ -249,6 +230,46 @@ def _check_max_segments(max_segments) -> int | None:
     return None if max_segments is None else int(max_segments)
 
 
+def place(length: np.ndarray, capacity: int, max_segments: int | None = None
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """Items of ``length`` (each <= capacity) placed into rows: (the items in row order, the
+    number of items of each row), by best-fit decreasing, or ``_fair_fill`` under a cap.
+
+    [a.tolist() for a in place(np.array([3, 2, 4]), 5)] == [[2, 0, 1], [1, 2]]
+    """
+    if max_segments is not None:
+        order, rows = _fair_fill(length, capacity, max_segments)  # already in row order
+    else:
+        # decreasing length, ties by (document, piece): items are already in that order, stable
+        order = np.argsort(-length, kind="stable")
+        n_full = int(np.count_nonzero(length == capacity))  # a full piece fills a row alone
+        rows = np.concatenate([np.arange(n_full, dtype=np.int64),
+                               _best_fit(length[order[n_full:]].tolist(), capacity, n_full)])
+        # segments in row order (rows numbered by creation), within a row in the order placed
+        by_row = np.argsort(rows, kind="stable")
+        order, rows = order[by_row], rows[by_row]
+    return order, np.bincount(rows, minlength=int(rows.max(initial=-1)) + 1)
+
+
+def pieces(doc_lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(doc, offset, length) of every item to place: a document, or a piece of one longer than
+    a row (pieces start every seq_len tokens and overlap by one: every pair once).
+
+    [a.tolist() for a in pieces(np.array([2, 7]), 2)] == [[0, 1, 1, 1], [0, 0, 2, 4], [2, 3, 3, 3]]
+    """
+    return _pieces(_check_lengths(doc_lengths), _check_seq_len(seq_len))
+
+
+def truncation(doc_lengths: np.ndarray, seq_len: int) -> tuple[int, int]:
+    """(documents longer than a row, one-token tail pieces dropped) of ``pieces``.
+
+    truncation(np.array([2, 7]), 2) == (1, 0)
+    """
+    long = doc_lengths > seq_len + 1
+    return (int(np.count_nonzero(long)),
+            int(np.count_nonzero(long & ((doc_lengths - 1) % seq_len == 0))))
+
+
 def pack_documents(doc_lengths: np.ndarray, seq_len: int,
                    max_segments: int | None = None) -> PackedLayout:
     """Pack documents into rows of seq_len + 1 tokens by best-fit decreasing; with a cap of
@@ -260,28 +281,15 @@ def pack_documents(doc_lengths: np.ndarray, seq_len: int,
     seq_len = _check_seq_len(seq_len)
     max_segments = _check_max_segments(max_segments)
     lengths = _check_lengths(doc_lengths)
-    capacity = seq_len + 1
     doc, offset, length = _pieces(lengths, seq_len)
-    if max_segments is not None:
-        order, rows = _fair_fill(length, capacity, max_segments)  # already in row order
-    else:
-        # decreasing length, ties by (document, piece): items are already in that order, stable
-        order = np.argsort(-length, kind="stable")
-        n_full = int(np.count_nonzero(length == capacity))  # a full piece fills a row alone
-        rows = np.concatenate([np.arange(n_full, dtype=np.int64),
-                               _best_fit(length[order[n_full:]].tolist(), capacity, n_full)])
-        # segments in row order (rows numbered by creation), within a row in the order placed
-        order = order[np.argsort(rows, kind="stable")]
-    counts = np.bincount(rows, minlength=int(rows.max(initial=-1)) + 1)
+    order, counts = place(length, seq_len + 1, max_segments)
     row_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     starts = exclusive_cumsum(lengths)
-    long = lengths > capacity
+    num_truncated, num_dropped = truncation(lengths, seq_len)
     layout = PackedLayout(
         seq_len=seq_len, row_ptr=row_ptr,
         seg_start=starts[doc[order]] + offset[order], seg_len=length[order], seg_doc=doc[order],
-        num_truncated=int(np.count_nonzero(long)),
-        num_dropped_tokens=int(np.count_nonzero(long & ((lengths - 1) % seq_len == 0))),
-        max_segments=max_segments)
+        num_truncated=num_truncated, num_dropped_tokens=num_dropped, max_segments=max_segments)
     _freeze(layout)
     return layout
 
@@ -348,134 +356,3 @@ def _placed(values: np.ndarray, flat: np.ndarray | None, size: int, dtype) -> np
     buf = np.zeros(size, dtype=dtype)
     buf[flat] = values
     return buf
-
-
-# ---------------------------------------------------------------------------------------------
-# cache
-
-
-def _digest(arrays: Mapping[str, np.ndarray]) -> int:
-    h = xxhash.xxh3_64()
-    for name in _ARRAYS:
-        h.update(np.ascontiguousarray(arrays[name]).tobytes())
-    return h.intdigest()
-
-
-def _lengths_digest(lengths: np.ndarray) -> int:
-    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(lengths, dtype=np.int64).tobytes())
-
-
-def _to_arrays(layout: PackedLayout, lengths: np.ndarray) -> dict[str, np.ndarray]:
-    arrays = {
-        "meta": np.array([FORMAT_VERSION, layout.seq_len, layout.num_truncated,
-                          layout.num_dropped_tokens, len(lengths), layout.max_segments or 0],
-                         dtype=np.int64),
-        "lengths": np.array([_lengths_digest(lengths)], dtype=np.uint64),
-        "row_ptr": layout.row_ptr, "seg_start": layout.seg_start,
-        "seg_len": layout.seg_len, "seg_doc": layout.seg_doc,
-    }
-    arrays["checksum"] = np.array([_digest(arrays)], dtype=np.uint64)
-    return arrays
-
-
-def _read_cache(path: Path, lengths: np.ndarray, seq_len: int,
-                max_segments: int | None = None) -> PackedLayout:
-    """The layout cached at path, or ValueError saying why it cannot be trusted."""
-    with np.load(path, allow_pickle=False) as f:
-        arrays = {name: f[name] for name in (*_ARRAYS, "checksum")}
-    meta = arrays["meta"]
-    if meta[0] != FORMAT_VERSION:
-        raise ValueError(f"format version {meta[0]}, this tokenmill writes {FORMAT_VERSION}")
-    if int(arrays["checksum"][0]) != _digest(arrays):
-        raise ValueError("checksum mismatch (the file is damaged)")
-    cap = int(meta[5]) if len(meta) > 5 else 0
-    if meta[1] != seq_len or int(arrays["lengths"][0]) != _lengths_digest(lengths) or \
-            cap != (max_segments or 0):
-        raise ValueError("built for other documents, seq_len or max_segments than asked for")
-    layout = PackedLayout(seq_len=seq_len, row_ptr=arrays["row_ptr"],
-                          seg_start=arrays["seg_start"], seg_len=arrays["seg_len"],
-                          seg_doc=arrays["seg_doc"], num_truncated=int(meta[2]),
-                          num_dropped_tokens=int(meta[3]), max_segments=max_segments)
-    _freeze(layout)
-    return layout
-
-
-def _tmp_prefix(path: Path) -> str:
-    """Temp files of path's writers: ``<name>.<host>-<pid>.<random>.tmp``, so that a writer
-    killed mid-write (kill -9, OOM) can be told from one still writing."""
-    host = xxhash.xxh3_64_hexdigest(socket.gethostname().encode())[:8]
-    return f"{path.name}.{host}-"
-
-
-def _sweep_dead_writers(path: Path) -> None:
-    """Remove temp files that writers of ``path`` on this host left when they died."""
-    prefix = _tmp_prefix(path)
-    for tmp in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
-        pid = tmp.name[len(prefix):].split(".")[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            try:
-                tmp.unlink()
-            except OSError:  # gone meanwhile, or a read-only cache_dir: nothing to do
-                pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def _write_atomic(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
-    """Write arrays as an .npz at path via a temp file in the same directory and os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{_tmp_prefix(path)}{os.getpid()}.",
-                               suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def load_or_build_packed(cache_dir: str | os.PathLike, *, key: str, doc_lengths: np.ndarray,
-                         seq_len: int, max_segments: int | None = None) -> PackedLayout:
-    """The packed layout of doc_lengths, from cache_dir if a valid cache is there, else built
-    and cached. A damaged, stale or other-version cache is rebuilt with a warning; an
-    unwritable cache_dir means building in memory (warned once per directory).
-
-    load_or_build_packed(tmp, key="abc", doc_lengths=np.array([3]), seq_len=4).num_rows == 1
-    """
-    if not isinstance(key, str) or not _KEY.fullmatch(key):
-        raise ConfigError(f"key must be a non-empty string of letters, digits, '.', '_' or '-' "
-                          f"(got {key=!r})")
-    seq_len = _check_seq_len(seq_len)
-    lengths = _check_lengths(doc_lengths)
-    max_segments = _check_max_segments(max_segments)
-    cap = "" if max_segments is None else f"-seg{max_segments}"
-    path = Path(cache_dir) / f"packed-{key}-seq{seq_len}{cap}.npz"
-    if path.parent.is_dir():
-        _sweep_dead_writers(path)
-    if path.exists():
-        try:
-            return _read_cache(path, lengths, seq_len, max_segments)
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-            warnings.warn(f"{path}: packed layout cache not usable ({e}); rebuilding it",
-                          stacklevel=2)
-    layout = pack_documents(lengths, seq_len, max_segments)
-    try:
-        _write_atomic(path, _to_arrays(layout, lengths))
-    except OSError as e:
-        if str(path.parent) not in _warned_unwritable:
-            _warned_unwritable.add(str(path.parent))
-            warnings.warn(f"{path.parent}: cannot write the packed layout cache ({e}); built it in "
-                          "memory, and will again on every start. Pass a writable cache_dir.",
-                          stacklevel=2)
-    return layout

@@ -33,7 +33,9 @@ from tokenmill import pack, sampler
 from tokenmill.errors import ConfigError, StoreError
 from tokenmill.io import FileId, file_id, redact
 from tokenmill.mixture import Mixture, mixture_of
-from tokenmill.rows import RowFiller, as_slice, distinct, one_piece_starts
+from tokenmill.packplan import PACKING, PackedPlan
+from tokenmill.rows import RowFiller, as_slice, one_piece_starts
+from tokenmill.sampler import distinct
 from tokenmill.store.format import MANIFEST, read_manifest
 from tokenmill.store.reader import TokenStore
 
@@ -128,9 +130,12 @@ def consumed_of(state: Mapping, fingerprint: str, *, what: str = "loader") -> in
 # ---- one store seen through a layout ------------------------------------------------------------
 
 class SampleSource:
-    """One store seen through a layout: how many samples an epoch has and how to fill rows."""
+    """One store seen through a layout: how many samples an epoch has and how to fill rows.
 
-    def __init__(self, store: TokenStore, config: LayoutConfig, salt: int, cache_dir=None):
+    An address is where a draw's sample lives: the first token of a concat window, or for
+    packed rows the draw itself (``packplan.PackedPlan`` finds its window and row)."""
+
+    def __init__(self, store: TokenStore, config: LayoutConfig, salt: int):
         self.store, self.config, self.salt = store, config, salt
         L = config.seq_len
         if config.layout == "concat":
@@ -140,19 +145,17 @@ class SampleSource:
             self.num_samples = pack.concat_num_samples(store.num_tokens, L)
             self.packed = None
         else:
-            self.packed = pack.load_or_build_packed(
-                Path(cache_dir) if cache_dir else Path(store.local_dir) / "layouts",
-                key=store.fingerprint, doc_lengths=store.doc_lengths, seq_len=L,
-                max_segments=config.max_segments)
+            self.packed = PackedPlan(store, seq_len=L, max_segments=config.max_segments,
+                                     seed=config.seed, salt=salt)
             self.num_samples = self.packed.num_rows
         self.rows = RowFiller(store, store.shard_token_starts, seq_len=L, dtype=store.dtype)
 
     def addresses(self, draws: np.ndarray) -> np.ndarray:
         """Where this store's draws number ``draws`` (0, 1, 2, …) live: the first token of a
-        concat window, or the id of a packed row."""
-        ids = sampler.sample_ids(draws, n=self.num_samples, seed=self.config.seed, salt=self.salt)
+        concat window, or (packed) the draw itself."""
         if self.packed is not None:
-            return ids
+            return np.asarray(draws, dtype=np.int64)
+        ids = sampler.sample_ids(draws, n=self.num_samples, seed=self.config.seed, salt=self.salt)
         epochs = sampler.epoch_of(draws, self.num_samples)
         out = np.empty_like(ids)
         for e in distinct(epochs):  # the window offset moves with the epoch
@@ -166,7 +169,10 @@ class SampleSource:
         run (every concat window; a packed row that is one piece of one document), else -1."""
         if self.packed is None:
             return addrs.tolist()
-        return one_piece_starts(self.packed, addrs)
+        out = np.empty(len(addrs), np.int64)
+        for rows, which, local in self.packed.locate(addrs):
+            out[which] = one_piece_starts(rows.layout, local)
+        return out.tolist()
 
     def fill(self, addrs: np.ndarray, rows: np.ndarray, out: dict[str, np.ndarray]) -> None:
         """Write the samples at ``addrs`` into rows ``rows`` (ascending) of the batch ``out``."""
@@ -177,14 +183,18 @@ class SampleSource:
         """``fill`` with the addresses' ``row_starts`` known, into batch rows ``dest``."""
         if self.packed is None:
             self.rows.windows(starts, dest, out)
-        elif not self.rows.packed(self.packed, addrs, starts, dest, out):  # many segments
-            rows = np.arange(dest.start, dest.stop) if isinstance(dest, slice) else dest
-            pack.fill_packed_rows(self.packed, addrs, self.store.tokens, out, rows,
-                                  gather=self.rows.gather)
+            return
+        rows = np.arange(dest.start, dest.stop) if isinstance(dest, slice) else dest
+        groups = self.packed.locate(addrs)
+        for window, which, local in groups:
+            mine = dest if len(groups) == 1 else as_slice(rows[which])
+            part = starts if len(groups) == 1 else [starts[i] for i in which.tolist()]
+            if not self.rows.packed(window.layout, local, part, mine, out):  # many segments
+                pack.fill_packed_rows(window.layout, local, self.store.tokens, out,
+                                      rows[which], gather=self.rows.gather)
 
 
-def open_sources(source, config: LayoutConfig, cache_dir: str | os.PathLike | None = None,
-                 mixture=None) -> tuple[list[SampleSource], Mixture]:
+def open_sources(source, config: LayoutConfig, mixture=None) -> tuple[list[SampleSource], Mixture]:
     """The sample sources and Mixture of a store (path, URL, TokenStore), a {store: weight}
     mixture or named stores with a ``mixture`` schedule (``mixture.mixture_of``); refuses bad
     weights and phases, and stores of different tokenizers."""
@@ -196,7 +206,7 @@ def open_sources(source, config: LayoutConfig, cache_dir: str | os.PathLike | No
             if stores[-1] is not s:
                 opened.append(stores[-1])
         check_tokenizers(stores)
-        sources = [SampleSource(st, config, salt=i, cache_dir=cache_dir)
+        sources = [SampleSource(st, config, salt=i)
                    for i, st in enumerate(stores)]
     except BaseException:
         for st in opened:  # refused: leave no store of ours open
@@ -240,6 +250,8 @@ def fingerprint_of(sources: list[SampleSource], mix: Mixture, config: LayoutConf
         core["mixture"] = "phases"
     if config.max_segments is not None:  # absent when unset: earlier fingerprints stay valid
         core["max_segments"] = config.max_segments
+    if config.layout == "packed":  # rows packed window by window: not the earlier whole-store rows
+        core["packing"] = PACKING
     return xxhash.xxh3_64_hexdigest(json.dumps(core, sort_keys=True).encode())
 
 
@@ -304,7 +316,6 @@ class PlanSpec:
     mixture: Mixture
     config: LayoutConfig
     dtype: str
-    cache_dir: str | None
     identities: tuple[StoreIdentity, ...]
 
 
@@ -315,14 +326,13 @@ def plan_from_spec(spec: PlanSpec) -> BatchPlan:
     try:
         for store, want in zip(stores, spec.identities):
             check_identity(store, want)
-        sources = [SampleSource(st, spec.config, salt=i, cache_dir=spec.cache_dir)
+        sources = [SampleSource(st, spec.config, salt=i)
                    for i, st in enumerate(stores)]
     except BaseException:
         for st in stores:
             st.close()
         raise
-    return BatchPlan(sources, spec.mixture, np.dtype(spec.dtype), cache_dir=spec.cache_dir,
-                     closes=tuple(stores))
+    return BatchPlan(sources, spec.mixture, np.dtype(spec.dtype), closes=tuple(stores))
 
 
 # ---- the plan -----------------------------------------------------------------------------------
@@ -344,7 +354,7 @@ class BatchPlan:
     BLOCK = 4096  # positions resolved at once: one vectorized permutation call per block
 
     def __init__(self, sources: list[SampleSource], mix: Mixture | list[float], dtype: np.dtype,
-                 *, cache_dir: str | os.PathLike | None = None, closes: tuple = ()):
+                 *, closes: tuple = ()):
         if not isinstance(mix, Mixture):  # plain weights, one per source
             mix = Mixture(tuple(redact(str(s.store.path)) for s in sources),
                           ((0, tuple(float(w) for w in mix)),), False)
@@ -354,7 +364,6 @@ class BatchPlan:
         self.packed = sources[0].packed is not None
         self.config = sources[0].config
         self.seq_len = self.config.seq_len
-        self.cache_dir = None if cache_dir is None else str(cache_dir)
         self.fingerprint = fingerprint_of(sources, mix, self.config)
         self.samples_per_epoch = sum(s.num_samples for s in sources)
         self.identities = [identity_of(s.store) for s in sources]
@@ -367,24 +376,24 @@ class BatchPlan:
 
     @classmethod
     def open(cls, source, config: LayoutConfig, *, dtype: str = "int32",
-             cache_dir: str | os.PathLike | None = None, mixture=None) -> BatchPlan:
+             mixture=None) -> BatchPlan:
         """The plan of a store (path, URL, TokenStore), a {store: weight} mixture or named
         stores with a ``mixture`` schedule; the stores it opens itself are closed by ``close()``."""
         if np.dtype(dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
             raise ConfigError(f"dtype must be 'int32' or 'int64' (got dtype={dtype!r})")
-        sources, mix = open_sources(source, config, cache_dir, mixture)
+        sources, mix = open_sources(source, config, mixture)
         given = {id(s) for s in (source if isinstance(source, Mapping) else [source])
                  if isinstance(s, TokenStore)}
         given |= {id(s) for s in (source.values() if isinstance(source, Mapping) else [])
                   if isinstance(s, TokenStore)}
-        return cls(sources, mix, np.dtype(dtype), cache_dir=cache_dir,
+        return cls(sources, mix, np.dtype(dtype),
                    closes=tuple(s.store for s in sources if id(s.store) not in given))
 
     def spec(self) -> PlanSpec:
         """What a worker process rebuilds this plan from (``plan_from_spec``)."""
         return PlanSpec(stores=tuple(s.store.open_args() for s in self.sources),
                         mixture=self.mixture, config=self.config, dtype=self.dtype.name,
-                        cache_dir=self.cache_dir, identities=tuple(self.identities))
+                        identities=tuple(self.identities))
 
     def new_buffers(self, batch_size: int) -> dict[str, np.ndarray]:
         """Freshly allocated arrays for one batch."""

@@ -117,7 +117,8 @@ def _piece(source: SampleSource, sidecars: _Sidecars, doc: int, lo: int, hi: int
     store = source.store
     shard = int(np.searchsorted(store.shard_doc_starts, doc, side="right")) - 1
     local = doc - int(store.shard_doc_starts[shard])
-    head = (shard, doc, local, lo - int(store.doc_starts[doc]), hi - lo)
+    start = int(store.doc_spans(np.array([doc]))[0][0])
+    head = (shard, doc, local, lo - start, hi - lo)
     origins = sidecars.origins(shard)
     if isinstance(origins, str):
         return Piece(*head, origins)
@@ -127,17 +128,16 @@ def _piece(source: SampleSource, sidecars: _Sidecars, doc: int, lo: int, hi: int
 
 def _pieces(source: SampleSource, sidecars: _Sidecars, address: int) -> tuple[Piece, ...]:
     if source.packed is not None:
-        p = source.packed
-        segs = range(int(p.row_ptr[address]), int(p.row_ptr[address + 1]))
+        [(rows, _, local)] = source.packed.locate(np.array([address]))
+        p, r = rows.layout, int(local[0])
+        segs = range(int(p.row_ptr[r]), int(p.row_ptr[r + 1]))
         return tuple(_piece(source, sidecars, int(p.seg_doc[s]), int(p.seg_start[s]),
                             int(p.seg_start[s] + p.seg_len[s])) for s in segs)
-    starts = source.store.doc_starts
     lo, hi = address, address + source.config.seq_len + 1
-    first = int(np.searchsorted(starts, lo, side="right")) - 1
-    last = int(np.searchsorted(starts, hi - 1, side="right")) - 1
-    ends = np.append(starts[1:], source.store.num_tokens)
-    return tuple(_piece(source, sidecars, d, max(lo, int(starts[d])), min(hi, int(ends[d])))
-                 for d in range(first, last + 1))
+    first, last = source.store.docs_at(np.array([lo, hi - 1])).tolist()
+    starts, lengths = source.store.doc_spans(np.arange(first, last + 1))
+    return tuple(_piece(source, sidecars, d, max(lo, int(s)), min(hi, int(s + n)))
+                 for d, s, n in zip(range(first, last + 1), starts.tolist(), lengths.tolist()))
 
 
 def explain_positions(plan: BatchPlan, positions: np.ndarray) -> list[RowOrigin]:

@@ -24,6 +24,7 @@ from tokenmill.plan import consumed_of
 __all__ = ["Difference", "consumed_from", "differences", "explain", "report"]
 
 UNSAFE_KEYS = ("layout", "seq_len", "seed", "max_segments", "weights")
+LEGACY_PACKING = "whole-store"  # what a packed state without a "packing" record was made by
 SAFE_KEYS = ("batch_size", "world_size", "num_workers")
 
 
@@ -87,12 +88,26 @@ def differences(saved: Mapping[str, Any], now: Mapping[str, Any],
     for key in UNSAFE_KEYS + SAFE_KEYS:
         if key in saved and saved.get(key) != now.get(key):
             out.append(Difference(f"{key} {saved.get(key)} → {now.get(key)}", key in SAFE_KEYS))
+    if saved.get("layout") == now.get("layout") == "packed" and \
+            saved.get("packing", LEGACY_PACKING) != now.get("packing"):
+        out.append(Difference(_packing_change(saved.get("packing", LEGACY_PACKING),
+                                              now.get("packing")), False))
     was, new = saved.get("mixture"), now.get("mixture")
     if "mixture" in saved and (was is None) != (new is None):
         out.append(Difference(f"mixture schedule {was} → {new}", False))
     elif was is not None and was != new:
         out += _phases(was, new, consumed)
     return sorted(out, key=lambda d: d.safe)
+
+
+def _packing_change(was: str, now: str) -> str:
+    if was != LEGACY_PACKING:
+        return f"packing {was} → {now}"
+    return ("packing: the state was saved by an earlier tokenmill whose packed layout was one "
+            "index over the whole store, built by every rank; this version packs documents "
+            f"window by window ({now}), so the same step holds other rows — finish that run with "
+            "the tokenmill version that saved it, or start the data stream of a new run here "
+            "(a fresh Loader, no load_state_dict)")
 
 
 def explain(diffs: list[Difference]) -> str:

@@ -24,9 +24,9 @@ from typing import Protocol
 
 import numpy as np
 
-from tokenmill.sampler import ranges
+from tokenmill.sampler import distinct, ranges
 
-__all__ = ["RowFiller", "SLICE_SEGMENTS", "Shards", "as_slice", "distinct", "one_piece_starts", "row_at"]
+__all__ = ["RowFiller", "SLICE_SEGMENTS", "Shards", "as_slice", "one_piece_starts", "row_at"]
 
 SLICE_SEGMENTS = 32  # up to this many ranges a batch, slice copies beat building index arrays
 SLOW_COPY_S = 500e-6  # a batch's copies this slow read pages from disk (warm: ~10 µs)
@@ -226,16 +226,3 @@ def one_piece_starts(layout, ids: np.ndarray) -> list[int]:
     return np.where(whole, layout.seg_start[first], -1).tolist()
 
 
-def distinct(values: np.ndarray) -> list[int]:
-    """The distinct values, ascending: ``np.unique`` without its first-call cost (it imports
-    numpy.ma, ~5 ms, which would be most of the time to a first batch).
-
-    distinct(np.array([3, 1, 3])) == [1, 3]
-    """
-    if values.size == 0:
-        return []
-    lo, hi = values.min(), values.max()
-    if lo == hi:  # the usual case: one epoch, one store, one block
-        return [int(lo)]
-    s = np.sort(values, kind="stable")
-    return s[np.concatenate(([True], s[1:] != s[:-1]))].tolist()

@@ -29,13 +29,13 @@ __all__ = ["TokenSource", "source"]
 
 
 def source(store: str | os.PathLike, seq_len: int, *, layout: str = "concat",
-           dtype: str = "int32", cache_dir: str | os.PathLike | None = None) -> TokenSource:
+           dtype: str = "int32") -> TokenSource:
     """A Grain ``RandomAccessDataSource`` over the raw samples of ``store`` in ``layout``.
 
     len(source(store, seq_len=4)) == (num_tokens - 4) // 4      # concat windows
     """
     _mark_absl_flags_parsed()
-    return TokenSource(store, seq_len, layout=layout, dtype=dtype, cache_dir=cache_dir)
+    return TokenSource(store, seq_len, layout=layout, dtype=dtype)
 
 
 def _mark_absl_flags_parsed() -> None:
@@ -51,16 +51,15 @@ class TokenSource:
     """Raw samples of one store as records; picklable (each process maps the store itself)."""
 
     def __init__(self, store: str | os.PathLike, seq_len: int, *, layout: str = "concat",
-                 dtype: str = "int32", cache_dir: str | os.PathLike | None = None):
+                 dtype: str = "int32"):
         if np.dtype(dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
             raise ConfigError(f"dtype must be 'int32' or 'int64' (got dtype={dtype!r})")
         # a str, not a Path: Path() would turn "s3://b/store" into "s3:/b/store"
         self.path = str(store.path if isinstance(store, TokenStore) else os.fspath(store))
         self.config = LayoutConfig(seq_len=seq_len, layout=layout)
         self.dtype = np.dtype(dtype).name
-        self.cache_dir = None if cache_dir is None else str(cache_dir)
         store = store if isinstance(store, TokenStore) else TokenStore(self.path)
-        self._sample_source = SampleSource(store, self.config, salt=0, cache_dir=self.cache_dir)
+        self._sample_source = SampleSource(store, self.config, salt=0)
         self._plan = BatchPlan([self._sample_source], [1.0], np.dtype(self.dtype))
 
     def __len__(self) -> int:
@@ -89,8 +88,8 @@ class TokenSource:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": str(self.path), "seq_len": self.config.seq_len,
-                "layout": self.config.layout, "dtype": self.dtype, "cache_dir": self.cache_dir}
+                "layout": self.config.layout, "dtype": self.dtype}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["path"], state["seq_len"], layout=state["layout"],
-                      dtype=state["dtype"], cache_dir=state["cache_dir"])
+                      dtype=state["dtype"])

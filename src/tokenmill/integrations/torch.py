@@ -243,7 +243,7 @@ def _loader_spec(loader: Loader) -> dict[str, Any]:
             "batch_size": loader.batch_size, "layout": loader.config.layout,
             "seed": loader.config.seed, "max_segments": loader.config.max_segments,
             "rank": loader.rank, "world_size": loader.world_size,
-            "epochs": loader.epochs, "dtype": loader.plan.dtype.name, "cache_dir": loader.cache_dir}
+            "epochs": loader.epochs, "dtype": loader.plan.dtype.name}
 
 
 def _open_loader(spec: Mapping[str, Any]) -> Loader:

@@ -28,6 +28,7 @@ import numpy as np
 
 from tokenmill.errors import ConfigError, StoreError
 from tokenmill.io import ChecksumWatch, file_id, is_url, map_file, redact
+from tokenmill.sampler import distinct
 from tokenmill.store.cache import CacheFullError, RemoteShards
 from tokenmill.store.format import (IdxArrays, read_idx, read_idx_header, read_manifest,
                                     size_or_raise)
@@ -387,6 +388,49 @@ class TokenStore:
         starts = np.zeros(len(self), dtype=np.int64)
         np.cumsum(self.doc_lengths[:-1], out=starts[1:])
         return starts
+
+    def doc_spans(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Global first token and length (int64) of each document id, read from the shards'
+        indexes (only the shards the ids fall in); an id equal to len(store) gives
+        (num_tokens, 0), the end of the stream.
+
+        store.doc_spans(np.array([0]))[0].tolist() == [0]
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        n = len(self)
+        if ids.size and (ids.min() < 0 or ids.max() > n):
+            raise IndexError(f"document ids must be in [0, {n:,}] (got {ids.min()}..{ids.max()})")
+        shard = np.searchsorted(self.shard_doc_starts, ids, side="right") - 1
+        starts = np.full(ids.shape, self.num_tokens, np.int64)
+        lengths = np.zeros(ids.shape, np.int64)
+        inside = ids < n
+        for s in distinct(shard[inside]):
+            sel = np.flatnonzero(inside & (shard == s))
+            idx = self._index(s)
+            local = ids[sel] - int(self.shard_doc_starts[s])
+            starts[sel] = int(self.shard_token_starts[s]) + \
+                idx.pointers[local].astype(np.int64) // self.dtype.itemsize
+            lengths[sel] = idx.lengths[local]
+        return starts, lengths
+
+    def docs_at(self, tokens: np.ndarray) -> np.ndarray:
+        """The id of the document holding each global token (in [0, num_tokens)), read from the
+        indexes of the shards the tokens fall in.
+
+        store.docs_at(np.array([0])).tolist() == [0]
+        """
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.num_tokens):
+            raise IndexError(f"tokens must be in [0, {self.num_tokens:,}) (got "
+                             f"{tokens.min()}..{tokens.max()})")
+        shard = np.searchsorted(self.shard_token_starts, tokens, side="right") - 1
+        out = np.empty(tokens.shape, np.int64)
+        for s in distinct(shard):
+            sel = np.flatnonzero(shard == s)
+            byte = (tokens[sel] - int(self.shard_token_starts[s])) * self.dtype.itemsize
+            local = np.searchsorted(self._index(s).pointers, byte, side="right") - 1
+            out[sel] = int(self.shard_doc_starts[s]) + local
+        return out
 
     def __getitem__(self, i: int) -> np.ndarray:
         """The token array of document ``i``: a zero-copy view into its shard."""

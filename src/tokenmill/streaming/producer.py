@@ -145,8 +145,7 @@ class StoreEpochs:
         self.part = part
         o = plan.order_settings
         self.plan = BatchPlan.open(plan.store_dir, LayoutConfig(
-            seq_len=plan.seq_len, layout=o.layout, seed=plan.seed, max_segments=o.max_segments),
-            cache_dir=plan.store_dir.parent / "layouts")  # packed layouts: not inside the store
+            seq_len=plan.seq_len, layout=o.layout, seed=plan.seed, max_segments=o.max_segments))
         self.samples_per_epoch = self.plan.samples_per_epoch
         self.pass_samples = (pass_length(plan, self.plan.sources[0].store) if plan.packed
                              else self.samples_per_epoch)

@@ -1,0 +1,427 @@
+"""The packed layout as a lazy plan: nothing a rank computes at start grows with the store.
+
+Documents are split into K *strata*, contiguous ranges of the store (K = ``docs_per_window``,
+about 2,048 rows' worth of documents). Epoch e gives stratum i a random rotation ``shift_i``;
+*window* w takes from every stratum its document ``(shift_i + w) mod M_i`` (M_i documents in
+stratum i), so each window holds K documents spread over the whole store, and over the epoch's
+windows every document is taken exactly once. A window is packed on its own (best-fit
+decreasing, or the fair fill under ``max_segments``: ``pack.place``) into exactly the number of
+rows it is *allotted*, and its rows are shuffled::
+
+    epoch rows  [ window 0: G(0)..G(1) | window 1: G(1)..G(2) | … ]     G(w) = ⌊α·P_w / L⌋ + β·w
+
+P_w, the tokens of the windows before w, is a sum over the strata of one contiguous range each:
+K index reads, whatever the store's size. So the rows an epoch has (G at the end: from the
+manifest's token count), the window a row falls in (a search over w) and the window's own rows
+(K document lengths, packed) all cost O(K), never O(documents). α is (L + 1) / L; β is set once per
+store and config by packing a few windows of epoch 0 (``calibrate``), with a margin: a window that
+needs more rows than allotted cuts a few documents into the others' free room (counted), one
+that needs fewer splits its fullest rows. Without a cap, α = (L + 1) / L guarantees that
+cutting always fits: every token of every document is in exactly one row each epoch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenmill import pack
+from tokenmill.errors import ConfigError
+from tokenmill.sampler import distinct, epoch_permutation, hash_ints, ranges
+
+__all__ = ["PACKING", "PackedPlan", "WindowRows", "docs_per_window", "epoch_layout", "fit_rows"]
+
+PACKING = "strata-v1"  # goes into the fingerprint: batches change when this does
+ROWS_PER_WINDOW = 2048  # rows a window aims at: β rows of margin a window cost ~0.1% padding
+MIN_WINDOW, MAX_WINDOW = 64, 1 << 16  # documents a window
+SAMPLES = 16  # windows of epoch 0 packed to set β
+MARGIN = 0.0005  # β: rows above the largest of the samples' needs, per row they needed
+MARGIN_CAPPED = 0.01  # under max_segments a window short of rows may not be mendable by cuts
+CACHED_WINDOWS = 8
+_TAG = 0x73747261  # "stra"
+
+
+def docs_per_window(num_docs: int, num_tokens: int, seq_len: int) -> int:
+    """K, documents a window: about ROWS_PER_WINDOW rows' worth at the store's mean length.
+
+    docs_per_window(10**8, 10**11, 2048) == 4197
+    """
+    mean = max(1.0, num_tokens / max(1, num_docs))
+    k = int(np.ceil(ROWS_PER_WINDOW * (seq_len + 1) / mean))
+    return max(1, min(num_docs, max(MIN_WINDOW, min(MAX_WINDOW, k))))
+
+
+# ---- one window: pieces → exactly ``rows`` rows -----------------------------------------------
+
+def fit_rows(length: np.ndarray, capacity: int, rows: int, max_segments: int | None = None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """Items of ``length`` (each <= capacity) in exactly ``rows`` rows: (item, offset, length)
+    of every segment in row order, the row pointers, and the number of items cut. Packed
+    naturally (``pack.place``); then a surplus of rows splits the rows of most segments, a
+    deficit moves the emptiest rows' items into the others' room, cutting what does not fit.
+
+    fit_rows(np.array([3, 2, 4]), 5, 3)[3].tolist() == [0, 1, 2, 3]
+    """
+    order, counts = pack.place(length, capacity, max_segments)
+    n = len(counts)
+    row = np.repeat(np.arange(n, dtype=np.int64), counts)
+    item, off, seg_len = order, np.zeros(len(order), np.int64), length[order].astype(np.int64)
+    cut: set[int] = set()
+    if n < rows:
+        item, off, seg_len, row = _split(item, off, seg_len, row, n, rows, cut)
+    elif n > rows:
+        item, off, seg_len, row = _squeeze(item, off, seg_len, row, n, rows, capacity,
+                                           max_segments, cut)
+    by_row = np.argsort(row, kind="stable")
+    counts = np.bincount(row, minlength=rows)
+    row_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return item[by_row], off[by_row], seg_len[by_row], row_ptr, len(cut)
+
+
+def _split(item, off, seg_len, row, n: int, rows: int, cut: set):
+    """New rows n … rows-1: each takes the second half of the segments of the row with the most
+    (ties: the lowest row), or, when every row has one, the second half of the longest segment."""
+    item, off, seg_len, row = (list(a.tolist()) for a in (item, off, seg_len, row))
+    counts = np.bincount(np.asarray(row, np.int64), minlength=rows).tolist()
+    for new in range(n, rows):
+        r = max(range(new), key=lambda x: (counts[x], -x), default=None)
+        if r is not None and counts[r] >= 2:
+            mine = [i for i, x in enumerate(row) if x == r]
+            for i in mine[len(mine) // 2:]:
+                row[i] = new
+            counts[r], counts[new] = len(mine) // 2, len(mine) - len(mine) // 2
+            continue
+        longest = max(range(len(seg_len)), key=lambda i: seg_len[i], default=None)
+        if longest is None or seg_len[longest] < 3:
+            continue  # nothing left to split: an empty row (only for windows of tiny documents)
+        x = seg_len[longest]
+        g = (x + 1) // 2  # pieces [0, g) and [g - 1, x): the token at g - 1 ends one, starts one
+        seg_len[longest] = g
+        item.append(item[longest])
+        off.append(off[longest] + g - 1)
+        seg_len.append(x - g + 1)
+        row.append(new)
+        counts[new] = 1
+        cut.add(item[longest])
+    return tuple(np.asarray(a, np.int64) for a in (item, off, seg_len, row))
+
+
+def _squeeze(item, off, seg_len, row, n: int, rows: int, capacity: int, cap: int | None,
+             cut: set):
+    """Rows n - rows … emptiest dissolved; their segments, longest first, go whole to the
+    kept row of least room that fits (and has a free slot), else are cut across the kept rows
+    of most room (pieces >= 2 tokens: a pair each)."""
+    fill = np.bincount(row, weights=seg_len, minlength=n)
+    counts = np.bincount(row, minlength=n)
+    gone = np.argsort(fill, kind="stable")[:n - rows]
+    keep = np.setdiff1d(np.arange(n), gone)
+    renumber = np.full(n, -1, np.int64)
+    renumber[keep] = np.arange(rows)
+    moved = np.isin(row, gone)
+    out_item, out_off = item[~moved].tolist(), off[~moved].tolist()
+    out_len, out_row = seg_len[~moved].tolist(), renumber[row[~moved]].tolist()
+    room = (capacity - fill[keep]).astype(np.int64).tolist()
+    slots = [(cap - int(c)) if cap else 1 << 30 for c in counts[keep]]
+    rooms = _Rooms(room, slots)
+    todo = sorted(zip(seg_len[moved].tolist(), item[moved].tolist(), off[moved].tolist()),
+                  key=lambda t: -t[0])
+    for x, it, o in todo:
+        r = rooms.best_fit(x)
+        while r < 0:  # no room takes it whole: fill the largest room, go on with the rest
+            r, g = rooms.largest()
+            if r < 0:
+                raise ConfigError(
+                    f"packing a window of documents into its {rows} rows of {capacity} tokens "
+                    f"under max_segments={cap} left {x} tokens without a row: these documents' "
+                    "lengths vary more than the plan allowed for; raise max_segments (or "
+                    "leave it unset) for this store")
+            rooms.take(r, g)
+            out_item.append(it), out_off.append(o), out_len.append(g), out_row.append(r)
+            cut.add(it)
+            o, x = o + g - 1, x - g + 1
+            r = rooms.best_fit(x)
+        rooms.take(r, x)
+        out_item.append(it), out_off.append(o), out_len.append(x), out_row.append(r)
+    return tuple(np.asarray(a, np.int64) for a in (out_item, out_off, out_len, out_row))
+
+
+class _Rooms:
+    """Free room of rows, by size (rows without a free slot are left out)."""
+
+    def __init__(self, room: list[int], slots: list[int]):
+        self.room, self.slots = room, slots
+        self.heap = [(-r, i) for i, r in enumerate(room) if r >= 1 and slots[i] > 0]
+        heapq.heapify(self.heap)  # largest room first
+
+    def best_fit(self, x: int) -> int:
+        """The row of least room >= x with a free slot (ties: lowest row), or -1."""
+        best, at = -1, None
+        for i, r in enumerate(self.room):
+            if r >= x and self.slots[i] > 0 and (at is None or r < at):
+                best, at = i, r
+        return best
+
+    def largest(self) -> tuple[int, int]:
+        """(row, room) of the largest room >= 2 with a free slot, or (-1, 0)."""
+        while self.heap:
+            neg, i = self.heap[0]
+            if -neg != self.room[i] or self.slots[i] <= 0:
+                heapq.heappop(self.heap)  # stale entry
+                continue
+            return (i, -neg) if -neg >= 2 else (-1, 0)
+        return -1, 0
+
+    def take(self, i: int, x: int) -> None:
+        """Row i takes a segment of x tokens."""
+        self.room[i] -= x
+        self.slots[i] -= 1
+        if self.room[i] >= 1 and self.slots[i] > 0:
+            heapq.heappush(self.heap, (-self.room[i], i))
+
+
+# ---- the plan ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WindowRows:
+    """One window's rows: a ``pack.PackedLayout`` (global token offsets, store document ids) and
+    where its rows start in the epoch."""
+
+    layout: pack.PackedLayout
+    first_row: int
+    order: object  # the shuffle of the window's rows (a sampler.Permutation)
+    num_cut: int  # documents cut across rows that packing the window naturally kept whole
+
+
+class PackedPlan:
+    """The lazily packed rows of one store for (seq_len, max_segments, seed, salt): row j of
+    epoch e is ``window_rows(e, w)``'s row ``j - first_row`` (shuffled), for the w holding j."""
+
+    def __init__(self, store, *, seq_len: int, max_segments: int | None, seed: int, salt: int):
+        self.store, self.seq_len, self.cap = store, seq_len, max_segments
+        self.seed, self.salt = seed, salt
+        self.capacity = seq_len + 1
+        d, t = len(store), store.num_tokens
+        if d == 0 or t < 2:
+            raise ConfigError(f"{store.path}: no documents to pack (documents {d}, tokens {t})")
+        self.num_docs, self.num_tokens = d, t
+        self.k = docs_per_window(d, t, seq_len)
+        self.bounds = np.arange(self.k + 1, dtype=np.int64) * d // self.k  # strata of documents
+        self.sizes = np.diff(self.bounds)  # M_i: 1 <= M_i, all within one of each other
+        self.windows = int(self.sizes.max())  # W: window w holds stratum i's doc iff M_i > w
+        self.merged = self.windows >= 2 and int(self.sizes.min()) < self.windows
+        self.bound_starts = store.doc_spans(self.bounds)[0]
+        self._lock = threading.RLock()
+        self._epochs: OrderedDict[int, tuple] = OrderedDict()
+        self._cache: OrderedDict[tuple[int, int], WindowRows] = OrderedDict()
+        self._prefix: dict[tuple[int, int], int] = {}
+        self._counted: set[tuple[int, int]] = set()
+        self.counts = {"windows_packed": 0, "documents_packed": 0, "documents_cut": 0,
+                       "num_truncated": 0, "most_segments": 0}
+        self.beta = self.calibrate()
+        self.num_rows = self.allotted(0, self.windows, self.num_tokens)
+
+    # -- the allotment: G(w) = ⌊α·P_w / L⌋ + β·w, α = (L + 1) / L ----------------------------
+
+    def allotted(self, epoch: int, w: int, prefix: int | None = None) -> int:
+        """G(w): rows of the epoch before window w."""
+        p = self.prefix_tokens(epoch, w) if prefix is None else prefix
+        return (self.capacity * p) // (self.seq_len * self.seq_len) + self.beta * w
+
+    def num_windows(self) -> int:
+        """Windows an epoch is packed in (the last index joins the one before when short)."""
+        return self.windows - 1 if self.merged else self.windows
+
+    def _end(self, w: int) -> int:
+        return self.windows if self.merged and w == self.windows - 2 else w + 1
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rotation of each stratum, global first token of its first document) for ``epoch``."""
+        with self._lock:
+            hit = self._epochs.get(epoch)
+            if hit is None:
+                shift = (hash_ints(_TAG, self.seed, self.salt, epoch, np.arange(self.k)) %
+                         self.sizes.astype(np.uint64)).astype(np.int64)
+                hit = (shift, self.store.doc_spans(self.bounds[:-1] + shift)[0])
+                self._epochs[epoch] = hit
+                if len(self._epochs) > 4:
+                    self._epochs.popitem(last=False)
+            return hit
+
+    def prefix_tokens(self, epoch: int, w: int) -> int:
+        """P_w: tokens of the documents of windows 0 … w-1 in ``epoch`` (one read a stratum)."""
+        if w <= 0:
+            return 0
+        if w >= self.windows:
+            return self.num_tokens
+        key = (epoch, w)
+        with self._lock:
+            if key in self._prefix:
+                return self._prefix[key]
+        shift, first = self._epoch(epoch)
+        q = shift + np.minimum(w, self.sizes)
+        wrap = q > self.sizes
+        point = self.bounds[:-1] + np.where(wrap, q - self.sizes, q)
+        ends = self.store.doc_spans(point)[0]
+        total = int((ends - first).sum()) + int(
+            (self.bound_starts[1:] - self.bound_starts[:-1])[wrap].sum())
+        with self._lock:
+            self._remember(key, total)
+        return total
+
+    def _remember(self, key: tuple[int, int], total: int) -> None:
+        if len(self._prefix) > 4096:
+            self._prefix.clear()
+        self._prefix[key] = total
+
+    def window_of(self, epoch: int, j: np.ndarray) -> np.ndarray:
+        """The window holding each row index ``j`` of ``epoch`` (one search per window met)."""
+        order = np.argsort(j, kind="stable")
+        js, out = j[order], np.empty(len(j), np.int64)
+        i = 0
+        while i < len(js):
+            w = self._search(epoch, int(js[i]))
+            k = int(np.searchsorted(js, self.allotted(epoch, self._end(w)), side="left"))
+            out[order[i:k]] = w
+            i = k
+        return out
+
+    def _search(self, epoch: int, j: int) -> int:
+        """The window w with G(w) <= j < G(end of w), by interpolation then bisection."""
+        lo, hi = 0, self.num_windows()  # G(lo) <= j < G(end(hi - 1))
+        guess = min(hi - 1, j * self.windows // max(1, self.num_rows))
+        for probe in (guess, guess + 1):  # rows are nearly uniform over windows: usually a hit
+            if lo <= probe < hi:
+                if self.allotted(epoch, probe) <= j:
+                    lo = probe
+                else:
+                    hi = probe
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.allotted(epoch, mid) <= j:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def window_docs(self, epoch: int, w: int) -> np.ndarray:
+        """Document ids of window w in ``epoch``, one per stratum (two for a merged last)."""
+        shift, _ = self._epoch(epoch)
+        parts = []
+        for x in range(w, self._end(w)):
+            has = self.sizes > x
+            parts.append(self.bounds[:-1][has] + (shift[has] + x) % self.sizes[has])
+        return np.concatenate(parts)
+
+    def window_rows(self, epoch: int, w: int) -> WindowRows:
+        """Window w of ``epoch`` packed into its allotted rows (cached: the last few windows)."""
+        key = (epoch, w)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            docs = self.window_docs(epoch, w)
+            starts, lengths = self.store.doc_spans(docs)
+            p0 = self.prefix_tokens(epoch, w)
+            end = self._end(w)
+            if end < self.windows:
+                self._remember((epoch, end), p0 + int(lengths.sum()))
+            first, last = self.allotted(epoch, w, p0), self.allotted(epoch, end)
+            layout, num_cut = self.pack(docs, starts, lengths, last - first)
+            order = epoch_permutation(last - first, seed=self.seed, epoch=epoch,
+                                      salt=int(hash_ints(_TAG, self.salt, w)))
+            hit = WindowRows(layout, first, order, num_cut)
+            if key not in self._counted:  # counted once, however often it is packed again
+                self._counted.add(key)
+                for name, n in (("windows_packed", 1), ("documents_packed", len(docs)),
+                                ("documents_cut", num_cut),
+                                ("num_truncated", layout.num_truncated)):
+                    self.counts[name] += n
+                self.counts["most_segments"] = max(self.counts["most_segments"],
+                                                   layout.most_segments)
+            self._cache[key] = hit
+            if len(self._cache) > CACHED_WINDOWS:
+                self._cache.popitem(last=False)
+            return hit
+
+    def pack(self, docs: np.ndarray, starts: np.ndarray, lengths: np.ndarray, rows: int
+             ) -> tuple[pack.PackedLayout, int]:
+        """Documents (ids, global first tokens, lengths) packed into exactly ``rows`` rows."""
+        doc, off, length = pack.pieces(lengths, self.seq_len)
+        item, seg_off, seg_len, row_ptr, num_cut = fit_rows(length, self.capacity, rows, self.cap)
+        truncated, dropped = pack.truncation(lengths, self.seq_len)
+        layout = pack.PackedLayout(
+            seq_len=self.seq_len, row_ptr=row_ptr,
+            seg_start=starts[doc[item]] + off[item] + seg_off, seg_len=seg_len,
+            seg_doc=docs[doc[item]], num_truncated=truncated, num_dropped_tokens=dropped,
+            max_segments=self.cap)
+        return layout, num_cut
+
+    def calibrate(self) -> int:
+        """β: the most rows beyond α·T/L that SAMPLES windows spread over epoch 0 need when
+        packed naturally, plus a margin (at least 1: with α = (L + 1) / L, cuts then always
+        fit: a row of L + 1 tokens holds L tokens of the window and at most one cut's
+        overlapping token)."""
+        n = self.num_windows()
+        picks = sorted({(2 * i + 1) * n // (2 * SAMPLES) for i in range(min(SAMPLES, n))})
+        beta = 1
+        for w in picks:
+            _, lengths = self.store.doc_spans(self.window_docs(0, w))
+            _, _, length = pack.pieces(lengths, self.seq_len)
+            rows = len(pack.place(length, self.capacity, self.cap)[1])
+            by_tokens = (self.capacity * int(lengths.sum())) // (self.seq_len * self.seq_len)
+            margin = int(np.ceil(rows * (MARGIN_CAPPED if self.cap else MARGIN)))
+            beta = max(beta, -(-(rows - by_tokens + margin) // (self._end(w) - w)))
+        return beta
+
+    # -- rows of draws ------------------------------------------------------------------------
+
+    def locate(self, draws: np.ndarray) -> list[tuple[WindowRows, np.ndarray, np.ndarray]]:
+        """Draws (the store's samples 0, 1, 2, …) → per window touched: (its rows, the indices
+        into ``draws`` it serves, their row ids in its layout)."""
+        epochs, j = np.divmod(np.asarray(draws, np.int64), self.num_rows)
+        out = []
+        for e in distinct(epochs):
+            sel = np.flatnonzero(epochs == e)
+            wins = self.window_of(e, j[sel])
+            for w in distinct(wins):
+                mine = sel[wins == w]
+                rows = self.window_rows(e, w)
+                out.append((rows, mine, rows.order(j[mine] - rows.first_row)))
+        return out
+
+    def stats(self) -> dict:
+        """What the allotment implies for an epoch (rows, an upper bound on padding), and the
+        counts over the windows this plan has packed."""
+        used = self.num_tokens  # pieces of long documents and cuts add a token each: ≤ this
+        with self._lock:
+            counts = dict(self.counts)
+        return {"rows": self.num_rows, "documents_per_window": self.k,
+                "windows": self.num_windows(), "beta": self.beta,
+                "padding_at_most": 1 - used / (self.num_rows * self.capacity), **counts}
+
+
+def epoch_layout(plan: PackedPlan, epoch: int) -> pack.PackedLayout:
+    """Every row of ``epoch`` in order, as one layout: O(documents) — for inspect, tests and
+    benchmarks, never for loading."""
+    parts = [plan.window_rows(epoch, w) for w in range(plan.num_windows())]
+    seg_ids, counts, base = [], [], 0
+    for part in parts:
+        lay = part.layout
+        rows = part.order(np.arange(lay.num_rows))
+        n = np.diff(lay.row_ptr)[rows]
+        seg_ids.append(ranges(lay.row_ptr[rows], n) + base)
+        counts.append(n)
+        base += len(lay.seg_len)
+    seg = np.concatenate(seg_ids)
+    cat = {k: np.concatenate([getattr(p.layout, k) for p in parts])[seg]
+           for k in ("seg_start", "seg_len", "seg_doc")}
+    row_ptr = np.concatenate([[0], np.cumsum(np.concatenate(counts))]).astype(np.int64)
+    return pack.PackedLayout(
+        seq_len=plan.seq_len, row_ptr=row_ptr, **cat, max_segments=plan.cap,
+        num_truncated=sum(p.layout.num_truncated for p in parts),
+        num_dropped_tokens=sum(p.layout.num_dropped_tokens for p in parts))

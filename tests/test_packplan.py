@@ -1,0 +1,185 @@
+"""The lazily packed layout: every pair once per epoch, caps, exact row counts, and a start
+that reads O(documents a window) of the store, never O(documents)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import lengths_summing_to, write_positional_store
+
+from tokenmill import Loader, pack
+from tokenmill.errors import ConfigError
+from tokenmill.packplan import PackedPlan, docs_per_window, epoch_layout, fit_rows
+from tokenmill.store import TokenStore
+
+
+def pair_starts(seg_start: np.ndarray, seg_len: np.ndarray) -> np.ndarray:
+    """Sorted global tokens at which each (input, target) pair of the segments starts."""
+    return np.sort(np.concatenate([np.arange(s, s + n - 1) for s, n in
+                                   zip(seg_start.tolist(), seg_len.tolist())] or [[]]))
+
+
+def store_pairs(lengths: np.ndarray) -> np.ndarray:
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    return pair_starts(starts, lengths)
+
+
+# ---- fit_rows: one window into exactly the rows allotted ---------------------------------------
+
+@pytest.mark.parametrize("cap", [None, 1, 3, 8])
+@pytest.mark.parametrize("seed", range(6))
+def test_fit_rows_keeps_every_token_in_exactly_the_rows_asked(cap, seed):
+    rng = np.random.default_rng(seed)
+    capacity = int(rng.choice([9, 65, 257]))
+    length = rng.integers(1, capacity + 1, size=int(rng.integers(20, 400)))
+    starts = np.concatenate([[0], np.cumsum(length)[:-1]])
+    n = len(pack.place(length, capacity, cap)[1])  # rows of the natural packing
+    for rows in sorted({n, n + 1, n + 7, max(1, n - 1), max(1, n - 3)}):
+        L, total = capacity - 1, int(length.sum())
+        if cap and rows * cap < len(length) + 3:  # too few slots for the segments: not asked
+            continue
+        if not cap and rows * L * L < total * capacity:  # below what the plan ever allots
+            continue
+        try:
+            item, off, seg_len, row_ptr, cut = fit_rows(length, capacity, rows, cap)
+        except ConfigError:
+            assert cap is not None and rows < n  # only a capped window short of rows may fail
+            continue
+        assert len(row_ptr) == rows + 1 and row_ptr[-1] == len(item)
+        per_row = np.add.reduceat(seg_len, row_ptr[:-1]) if len(item) else np.zeros(0)
+        counts = np.diff(row_ptr)
+        assert np.all(per_row[counts > 0] <= capacity)
+        if cap:
+            assert counts.max() <= cap
+        assert np.all(seg_len >= 1) and np.all(off + seg_len <= length[item])
+        assert np.array_equal(pair_starts(starts[item] + off, seg_len),
+                              pair_starts(starts, length))  # every pair once
+        if rows >= n:
+            assert counts.min() >= 1 or len(item) < rows  # no empty row while there is content
+        assert cut <= len(length) and (rows != n or cut == 0)
+
+
+# ---- the plan over a store ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("seq_len,cap", [(16, None), (64, None), (64, 4), (7, 1), (200, 2)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_pair_exactly_once_per_epoch(tmp_path, seq_len, cap, seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, int(rng.choice([40, 300, 2000])), size=int(rng.integers(200, 3000)))
+    write_positional_store(tmp_path / "s", lengths, shard_tokens=int(rng.integers(500, 20000)))
+    with TokenStore(tmp_path / "s") as store:
+        plan = PackedPlan(store, seq_len=seq_len, max_segments=cap, seed=3, salt=0)
+        first = None
+        for epoch in (0, 1):
+            layout = epoch_layout(plan, epoch)
+            assert layout.num_rows == plan.num_rows
+            assert np.array_equal(pair_starts(layout.seg_start, layout.seg_len),
+                                  store_pairs(lengths))
+            assert np.all(layout.seg_len <= seq_len + 1)
+            if cap:
+                assert np.diff(layout.row_ptr).max() <= cap
+            first = layout.seg_start.copy() if first is None else first
+        assert not np.array_equal(first, layout.seg_start)  # another epoch, other rows
+
+
+def test_rows_of_draws_are_the_epoch_rows_in_order(tmp_path):
+    lengths = lengths_summing_to(90_000, docs=900, longest=150, seed=4)
+    write_positional_store(tmp_path / "s", lengths, shard_tokens=3_000)
+    with TokenStore(tmp_path / "s") as store:
+        plan = PackedPlan(store, seq_len=32, max_segments=None, seed=0, salt=0)
+        layout = epoch_layout(plan, 1)
+        draws = np.array([plan.num_rows + 5, plan.num_rows, 2 * plan.num_rows - 1])
+        for window, which, local in plan.locate(draws):
+            for i, r in zip(which.tolist(), local.tolist()):
+                j = int(draws[i]) - plan.num_rows
+                a, b = window.layout.row_ptr[r], window.layout.row_ptr[r + 1]
+                assert window.layout.seg_start[a:b].tolist() == \
+                    layout.seg_start[layout.row_ptr[j]:layout.row_ptr[j + 1]].tolist()
+
+
+def test_a_window_draws_from_the_whole_store(tmp_path):
+    # 40 shards: the documents of one window come from every one of them
+    lengths = np.full(40_000, 10)
+    write_positional_store(tmp_path / "s", lengths, shard_tokens=10_000)
+    with TokenStore(tmp_path / "s") as store:
+        plan = PackedPlan(store, seq_len=15, max_segments=None, seed=0, salt=0)
+        docs = plan.window_docs(0, 0)
+        assert len(docs) == plan.k < len(store)
+        shards = np.searchsorted(store.shard_doc_starts, docs, side="right") - 1
+        assert len(np.unique(shards)) == store.num_shards == 40
+
+
+def test_docs_per_window_is_bounded():
+    assert docs_per_window(5, 50, 2048) == 5  # never more than the store has
+    assert docs_per_window(10**9, 10**9, 8192) == 1 << 16
+    assert docs_per_window(10**8, 10**13, 2048) == 64
+
+
+class Counting:
+    """A TokenStore that counts the document ids its indexes are read for."""
+
+    def __init__(self, store: TokenStore):
+        self.store, self.ids = store, 0
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def __len__(self):
+        return len(self.store)
+
+    def doc_spans(self, ids):
+        self.ids += len(ids)
+        return self.store.doc_spans(ids)
+
+
+@pytest.mark.parametrize("docs", [20_000, 200_000])
+def test_start_and_any_row_read_a_bounded_number_of_documents(tmp_path, docs):
+    # the same mean length, ten times the documents: what a plan reads does not grow
+    lengths = np.random.default_rng(0).integers(1, 120, size=docs)
+    write_positional_store(tmp_path / "s", lengths, shard_tokens=400_000)
+    with TokenStore(tmp_path / "s") as store:
+        counting = Counting(store)
+        plan = PackedPlan(counting, seq_len=256, max_segments=None, seed=1, salt=0)
+        plan.locate(np.array([plan.num_rows * 3 // 4, 5 * plan.num_rows - 1]))  # a resume
+        assert plan.k == docs_per_window(docs, int(lengths.sum()), 256)
+        assert counting.ids <= 40 * plan.k, (counting.ids, plan.k)
+        assert plan.k < docs // 2 or docs == 20_000
+
+
+def test_a_packed_loader_writes_nothing_and_opens_a_read_only_store(tmp_path):
+    lengths = lengths_summing_to(30_000, docs=300, longest=150, seed=1)
+    path = write_positional_store(tmp_path / "s", lengths)
+    before = sorted(p.name for p in path.iterdir())
+    path.chmod(0o555)
+    try:
+        with Loader(path, seq_len=64, batch_size=4, layout="packed", num_workers=0) as ld:
+            batch = next(iter(ld))
+        assert batch["segment_ids"].shape == (4, 64)
+    finally:
+        path.chmod(0o755)
+    assert sorted(p.name for p in path.iterdir()) == before
+
+
+def test_a_state_of_the_earlier_whole_store_packing_is_refused_saying_why(tmp_path):
+    lengths = lengths_summing_to(30_000, docs=300, longest=150, seed=1)
+    path = write_positional_store(tmp_path / "s", lengths)
+    with Loader(path, seq_len=64, batch_size=4, layout="packed", num_workers=0) as ld:
+        state = ld.state_dict()
+        old = {**state, "stream": {k: v for k, v in state["stream"].items() if k != "packing"},
+               "consumed_samples": 40}
+        with pytest.raises(ConfigError, match="earlier tokenmill whose packed layout was one "
+                                              "index over the whole store"):
+            ld.load_state_dict(old)
+        ld.load_state_dict(state)  # its own state loads
+
+
+def test_stats_count_the_windows_packed(tmp_path):
+    lengths = lengths_summing_to(200_000, docs=1_000, longest=300, seed=2)
+    path = write_positional_store(tmp_path / "s", lengths)
+    with Loader(path, seq_len=64, batch_size=8, layout="packed", num_workers=0) as ld:
+        for _ in zip(range(3), ld):
+            pass
+        stats = ld.layout_stats
+        plan = ld.plan.sources[0].packed
+        assert stats["windows_packed"] >= 1 and stats["documents_packed"] >= plan.k
+        assert 0 < stats["padding_at_most"] < 0.2 and stats["most_segments"] >= 1
