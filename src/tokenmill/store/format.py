@@ -383,7 +383,7 @@ def read_manifest(path: str | os.PathLike, *, storage_options: dict | None = Non
 
 def _read_remote_manifest(url: str, storage_options) -> dict:
     where = redact(f"{url}/{MANIFEST}")
-    data = read_bytes(f"{url}/{MANIFEST}", storage_options)
+    data = read_bytes(f"{url}/{MANIFEST}", storage_options, one_request=True)
     if data is None:
         partial = any(n.startswith("shard-") for n in list_sizes(url, storage_options))
         raise StoreError(f"{where}: missing — {missing_manifest_hint(partial)}")

@@ -2,15 +2,16 @@
 local or remote (shards of a remote store are read through the local cache).
 
 Opening reads the manifest and checks each shard file's size (a ``stat``, no descriptor kept;
-the file's identity — device, inode, size, mtime — is remembered); shards are mapped when first
-read, and at most ``max_open`` files (default 32) stay mapped, least recently used dropped first
-— a store of 100,000 shards opens in well under a second and holds a bounded number of
-descriptors. Every map (and re-map) first proves, by an ``fstat`` of the descriptor it maps, that
-the file is the one seen at open: a store re-prepared underneath a reader fails with a StoreError
-instead of serving other tokens. When a shard is first mapped, its ``.idx`` header is
-checked against the manifest and, unless ``verify="off"``, the xxh3 of its ``.bin`` and ``.idx``
-is computed once per process in a background thread: a mismatch fails the next read (and
-``check()``) with a StoreError naming the file.
+the file's identity — device, inode, size, mtime — is remembered; a remote store: the manifest
+alone, one GET, and a shard's ``.idx`` is fetched when the shard is first read); shards are
+mapped when first read, and at most ``max_open`` files (default 32) stay mapped, least recently
+used dropped first — a store of 100,000 shards opens in well under a second and holds a bounded
+number of descriptors. Every map (and re-map) first proves, by an ``fstat`` of the descriptor it
+maps, that the file is the one seen at open: a store re-prepared underneath a reader fails with
+a StoreError instead of serving other tokens. When a shard is first mapped, its ``.idx`` header
+is checked against the manifest and, unless ``verify="off"``, the xxh3 of its ``.bin`` and
+``.idx`` is computed once per process in a background thread: a mismatch fails the next read
+(and ``check()``) with a StoreError naming the file.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from tokenmill.store.cache import CacheFullError, RemoteShards
 from tokenmill.store.format import (IdxArrays, read_idx, read_idx_header, read_manifest,
                                     size_or_raise)
 
-READAHEAD = 2  # remote shards fetched in the background past the one just mapped
 MAX_OPEN = 32  # shard files a store keeps mapped at once (each map holds one descriptor)
 VERIFY_MODES = ("background", "off")
 VERIFY_HINT = ("; reading it would give other tokens than were prepared — run 'tokenmill "
@@ -96,7 +96,6 @@ class TokenStore:
             self._open_args = {"path": self.url, "cache_dir": str(self._remote.cache.root),
                                "cache_bytes": self._remote.cache.max_bytes,
                                "storage_options": storage_options}
-            self._remote.fetch_many([f"{s['name']}.idx" for s in self.manifest["shards"]])
         else:
             self.path, self.url = Path(path), None
             self.manifest = read_manifest(self.path)
@@ -173,8 +172,6 @@ class TokenStore:
                 b = map_file(f"{self._base}/{s['name']}.bin", self.dtype,
                              check=self._same_file(i, ".bin"))
             self._keep(i, b)
-        if self._remote is not None:
-            self._read_ahead(i)
         return b
 
     def _first_use(self, i: int) -> None:
@@ -260,13 +257,6 @@ class TokenStore:
                 self._remote_bytes -= nbytes
         else:
             self._idx[-1 - key] = None
-
-    def _read_ahead(self, i: int) -> None:
-        shards = self.manifest["shards"]
-        ahead = [f"{shards[j]['name']}.bin"
-                 for j in range(i + 1, min(i + 1 + READAHEAD, len(shards))) if self._bins[j] is None]
-        if ahead:
-            self._remote.prefetch(ahead)  # errors are the reader's to meet, when it gets there
 
     def check(self, wait: bool = False) -> None:
         """Raise the StoreError of a shard file whose background checksum failed (the message
