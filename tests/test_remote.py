@@ -3,8 +3,8 @@
 Covers: prepare from S3 (and plain HTTP) inputs, prepare --out s3://… (manifest last, resume
 after SIGKILL), reading a remote store through the shard cache (LRU eviction, pinned shards never
 evicted, prefetch), a download killed mid-way, a corrupt object caught by its checksum, two
-processes sharing one cache directory, and what a remote start costs in requests, counted at the
-server.
+processes sharing one cache directory, a manifest lying about a shard's counts, and what a remote
+start costs in requests, counted at the server.
 """
 
 import gzip
@@ -35,6 +35,7 @@ from tokenmill.sources import SourceConfig, read_documents  # noqa: E402
 from tokenmill.store import TokenStore, verify_store  # noqa: E402
 from tokenmill.store import cache, upload  # noqa: E402
 from tokenmill.store.cache import CacheFullError, ShardCache  # noqa: E402
+from tokenmill.store.format import manifest_checksum  # noqa: E402
 
 DOC = 500  # tokens per document of the positional stores
 BIN = 8 * DOC * 4  # 8 int32 documents per shard: 16,000 bytes
@@ -516,6 +517,27 @@ def test_corrupt_object_is_caught_by_its_checksum(remote_store, s3, tmp_path):
     with pytest.raises(StoreError, match=r"shard-00001.bin: shard file shard-00001.bin has 15,996 "
                                          r"bytes, the manifest records 16,000"):
         st.shard(1)
+
+
+def test_a_remote_manifest_that_lies_about_a_shards_tokens_is_refused_naming_it(remote_store,
+                                                                                  s3, tmp_path):
+    url, _ = remote_store
+    key = f"{s3.bucket}/store/manifest.json"
+    m = json.loads(s3.fs.cat_file(key))
+    m["shards"][1]["num_tokens"] += 3  # and the totals, and the checksum: it parses as valid
+    m["num_tokens"] += 3
+    m["manifest_xxh3"] = manifest_checksum(m)
+    s3.fs.pipe_file(key, json_bytes(m))
+    with TokenStore(url, cache_dir=tmp_path / "cache") as st:
+        assert np.array_equal(st.tokens(0, 100), np.arange(100))  # shard 0 tells the truth
+        with pytest.raises(StoreError, match=rf"{url}/shard-00001.idx: holds 8 int32 documents of "
+                                             r"4,000 tokens, the manifest says 8 int32 documents "
+                                             r"of 4,003 tokens; .*run 'tokenmill verify'"):
+            st.tokens(4000, 4100)
+    with tokenmill.Loader(url, seq_len=100, batch_size=4, cache_dir=tmp_path / "layouts") as ld:
+        with pytest.raises(StoreError, match=rf"{url}/shard-00001.idx: holds"):
+            for _ in zip(range(1000), ld):  # more than an epoch
+                pass
 
 
 # ---- several processes, one cache ------------------------------------------------------------
