@@ -2,13 +2,15 @@
 
 Covers: prepare from S3 (and plain HTTP) inputs, prepare --out s3://… (manifest last, resume
 after SIGKILL), reading a remote store through the shard cache (LRU eviction, pinned shards never
-evicted, prefetch), a download killed mid-way, a corrupt object caught by its checksum, and two
-processes sharing one cache directory.
+evicted, prefetch), a download killed mid-way, a corrupt object caught by its checksum, two
+processes sharing one cache directory, a manifest lying about a shard's counts, and what a remote
+start costs in requests, counted at the server.
 """
 
 import gzip
 import json
 import os
+from collections import Counter
 import signal
 import subprocess
 import sys
@@ -26,13 +28,14 @@ import s3fs  # noqa: F401  not a skip; the moto fixtures `s3`, `s3_endpoint` are
 
 import tokenmill  # noqa: E402
 from conftest import store_bytes, write_jsonl, write_positional_store  # noqa: E402
-from tokenmill.io import list_sizes  # noqa: E402
+from tokenmill.io import json_bytes, list_sizes  # noqa: E402
 from tokenmill.errors import ConfigError, StoreError  # noqa: E402
 from tokenmill.prepare import prepare  # noqa: E402
 from tokenmill.sources import SourceConfig, read_documents  # noqa: E402
 from tokenmill.store import TokenStore, verify_store  # noqa: E402
 from tokenmill.store import cache, upload  # noqa: E402
 from tokenmill.store.cache import CacheFullError, ShardCache  # noqa: E402
+from tokenmill.store.format import manifest_checksum  # noqa: E402
 
 DOC = 500  # tokens per document of the positional stores
 BIN = 8 * DOC * 4  # 8 int32 documents per shard: 16,000 bytes
@@ -262,10 +265,11 @@ def test_shard_cache_evicts_least_recently_used_and_never_a_pinned_file(s3, tmp_
 
 
 class HeldAtTheEnd:
-    """A remote stream that, once every byte is read, sets ``done`` and waits for ``go``."""
+    """A remote stream of ``size`` bytes that, once every byte is read, sets ``done`` and waits
+    for ``go`` before handing out the last ones."""
 
-    def __init__(self, f, done: threading.Event, go: threading.Event):
-        self.f, self.done, self.go = f, done, go
+    def __init__(self, f, size: int, done: threading.Event, go: threading.Event):
+        self.f, self.left, self.done, self.go = f, size, done, go
 
     def __enter__(self):
         return self
@@ -274,7 +278,9 @@ class HeldAtTheEnd:
         self.f.close()
 
     def read(self, n):
-        if not (data := self.f.read(n)):
+        data = self.f.read(n)
+        self.left -= len(data)
+        if self.left <= 0:
             self.done.set()
             assert self.go.wait(30)
         return data
@@ -308,8 +314,9 @@ def test_a_download_landing_while_an_eviction_pass_counts_is_counted(s3, tmp_pat
                 assert landing.wait(30)
             return iter(listed)
 
-    monkeypatch.setattr(cache, "_open_remote", lambda fs, p: HeldAtTheEnd(
-        real_open(fs, p), downloaded, go) if p.endswith("/a.bin") else real_open(fs, p))
+    monkeypatch.setattr(cache, "_open_remote", lambda fs, p, size: HeldAtTheEnd(
+        real_open(fs, p, size), size, downloaded, go) if p.endswith("/a.bin")
+        else real_open(fs, p, size))
     monkeypatch.setattr(cache, "lock_file", lock_file)
     lands = threading.Thread(target=lambda: (shards.fetch(*key["a"]), landing.set()))
     lands.start()
@@ -358,8 +365,9 @@ def test_a_download_that_just_landed_is_evictable_at_once(s3, tmp_path, monkeypa
             if threading.current_thread() is not lands and downloaded.is_set():
                 (passed if landed.is_set() else go).set()  # b waits for a, then for a's landing
 
-    monkeypatch.setattr(cache, "_open_remote", lambda fs, p: HeldAtTheEnd(
-        real_open(fs, p), downloaded, go) if p.endswith("/a.bin") else real_open(fs, p))
+    monkeypatch.setattr(cache, "_open_remote", lambda fs, p, size: HeldAtTheEnd(
+        real_open(fs, p, size), size, downloaded, go) if p.endswith("/a.bin")
+        else real_open(fs, p, size))
     monkeypatch.setattr(cache, "lock_file", lock_file)
     monkeypatch.setattr(cache, "unlock", unlock)
     monkeypatch.setattr(ShardCache, "_evict_until", evict_until)
@@ -400,21 +408,20 @@ def test_mapped_shard_is_never_evicted_and_is_released_with_its_last_view(remote
     assert not (cache_dir / "shards" / bin0).exists()
 
 
-def test_prefetch_and_readahead_fill_the_cache_in_the_background(remote_store, tmp_path):
+def test_prefetch_fills_the_cache_in_the_background_and_a_read_fetches_only_its_shard(
+        remote_store, tmp_path):
     url, _ = remote_store
     with TokenStore(url, cache_dir=tmp_path / "c1") as st:
-        # the four indexes are byte-identical (8 documents of 500 tokens): one content-named entry
-        assert [f.split("-")[1] for f in cache_files(tmp_path / "c1")] == ["202.idx", "202.idx.lock"]
+        assert cache_files(tmp_path / "c1") == []  # opening fetches nothing: the manifest only
         paths = st.prefetch().result(timeout=30)
         assert [Path(p).stat().st_size for p in paths] == [BIN] * 4
     with TokenStore(url, cache_dir=tmp_path / "c2") as st:
-        st.shard(0)  # maps shard 0, then fetches shards 1 and 2 ahead of need
-        names = {ShardCache.entry_name(f"{url}/{s['name']}.bin", BIN, s["bin_xxh3"])
-                 for s in st.manifest["shards"][1:3]}
-        deadline = time.monotonic() + 30
-        while not names <= set(cache_files(tmp_path / "c2")) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert names <= set(cache_files(tmp_path / "c2"))
+        st.shard(2)  # its .idx (checked against the manifest) and its .bin, nothing else
+        s = st.manifest["shards"][2]
+        want = {ShardCache.entry_name(f"{url}/shard-00002{ext}", s[f"{ext[1:]}_bytes"],
+                                      s[f"{ext[1:]}_xxh3"]) for ext in (".bin", ".idx")}
+        st.close()
+        assert [f for f in cache_files(tmp_path / "c2") if not f.endswith(".lock")] == sorted(want)
     local = remote_store[1]
     with TokenStore(local) as st:
         assert st.prefetch().result() == [] and st.local_dir == local
@@ -444,7 +451,7 @@ def test_download_interrupted_midway_leaves_no_usable_file(remote_store, tmp_pat
                     print("started", flush=True)
                     time.sleep(600)
                 return self.f.read(n)
-        cache._open_remote = lambda fs, p: Stalls(real(fs, p))
+        cache._open_remote = lambda *a: Stalls(real(*a))
         cache.ShardCache({str(cache_dir)!r}, 1 << 30).fetch(*{args!r})
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
@@ -482,7 +489,7 @@ def test_download_interrupted_midway_leaves_no_usable_file(remote_store, tmp_pat
                 raise ConnectionResetError("connection reset by peer")
             return self.f.read(n)
 
-    monkeypatch.setattr(cache, "_open_remote", lambda fs, p: Breaks(real(fs, p)))
+    monkeypatch.setattr(cache, "_open_remote", lambda *a: Breaks(real(*a)))
     with pytest.raises(StoreError, match="shard-00002.bin: download failed .ConnectionResetError"):
         ShardCache(cache_dir2, 1 << 30).fetch(*args)
     assert [f for f in cache_files(cache_dir2) if not f.endswith(".lock")] == []
@@ -505,9 +512,32 @@ def test_corrupt_object_is_caught_by_its_checksum(remote_store, s3, tmp_path):
                    for f in cache_files(tmp_path / "cache"))
     problems = verify_store(url)
     assert len(problems) == 1 and "shard-00001.bin" in problems[0] and "checksum" in problems[0]
-    s3.fs.pipe_file(key, bytes(data[:-4]))  # a truncated object is caught at open, by size
-    with pytest.raises(StoreError, match=r"shard-00001.bin: expected 16,000 bytes, found 15,996"):
-        TokenStore(url, cache_dir=tmp_path / "cache")
+    s3.fs.pipe_file(key, bytes(data[:-4]))  # a truncated object is caught when read, by size
+    st = TokenStore(url, cache_dir=tmp_path / "cache")
+    with pytest.raises(StoreError, match=r"shard-00001.bin: shard file shard-00001.bin has 15,996 "
+                                         r"bytes, the manifest records 16,000"):
+        st.shard(1)
+
+
+def test_a_remote_manifest_that_lies_about_a_shards_tokens_is_refused_naming_it(remote_store,
+                                                                                  s3, tmp_path):
+    url, _ = remote_store
+    key = f"{s3.bucket}/store/manifest.json"
+    m = json.loads(s3.fs.cat_file(key))
+    m["shards"][1]["num_tokens"] += 3  # and the totals, and the checksum: it parses as valid
+    m["num_tokens"] += 3
+    m["manifest_xxh3"] = manifest_checksum(m)
+    s3.fs.pipe_file(key, json_bytes(m))
+    with TokenStore(url, cache_dir=tmp_path / "cache") as st:
+        assert np.array_equal(st.tokens(0, 100), np.arange(100))  # shard 0 tells the truth
+        with pytest.raises(StoreError, match=rf"{url}/shard-00001.idx: holds 8 int32 documents of "
+                                             r"4,000 tokens, the manifest says 8 int32 documents "
+                                             r"of 4,003 tokens; .*run 'tokenmill verify'"):
+            st.tokens(4000, 4100)
+    with tokenmill.Loader(url, seq_len=100, batch_size=4, cache_dir=tmp_path / "layouts") as ld:
+        with pytest.raises(StoreError, match=rf"{url}/shard-00001.idx: holds"):
+            for _ in zip(range(1000), ld):  # more than an epoch
+                pass
 
 
 # ---- several processes, one cache ------------------------------------------------------------
@@ -555,3 +585,117 @@ def test_inspect_and_verify_a_remote_store_show_its_url_intact(remote_store):
     first = subprocess.run([str(Path(sys.executable).with_name("tokenmill")), "inspect", url],
                            capture_output=True, text=True, timeout=300, env=_subprocess_env())
     assert first.stdout.splitlines()[0] == f"store        {url}"  # not "s3:/bucket/store"
+
+
+# ---- what a remote start costs, counted at the server -------------------------------------------
+
+@pytest.fixture
+def counted_s3(s3, monkeypatch):
+    """The test's bucket served through a second endpoint that logs every request it gets.
+
+    The endpoint is a werkzeug server running moto's own S3 application in this process, so it
+    sees the same buckets as the session's server; AWS_ENDPOINT_URL points at it for this test
+    (child processes inherit it). Counting at the server is what the issue counts — requests on
+    the wire, from any process and any client library, retries included — where a client-side
+    hook (botocore events, s3fs) would miss another process's requests and count a cached
+    answer as one. Returns ``(s3, log)``: ``log`` is a list of (method, key, query) of this
+    bucket, in arrival order."""
+    from moto.moto_server.werkzeug_app import (DomainDispatcherApplication, MotoRequestHandler,
+                                               create_backend_app)
+    from werkzeug.serving import make_server
+    log: list[tuple[str, str, str]] = []
+    app = DomainDispatcherApplication(create_backend_app)
+    prefix = f"/{s3.bucket}"
+
+    def logging_app(environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        if path == prefix or path.startswith(prefix + "/"):
+            log.append((environ["REQUEST_METHOD"], path[len(prefix) + 1:],
+                        environ.get("QUERY_STRING", "")))
+        return app(environ, start_response)
+
+    server = make_server("127.0.0.1", 0, logging_app, threaded=True,
+                         request_handler=MotoRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://%s:%d" % server.server_address[:2])
+    yield s3, log
+    server.shutdown()
+    thread.join()
+
+
+def operations(log: list[tuple[str, str, str]], store: str) -> list[str]:
+    """Each logged request as 'LIST prefix', 'HEAD name' or 'GET name' (names inside ``store``),
+    sorted."""
+    ops = []
+    for method, key, query in log:
+        listing = method == "GET" and ("list-type" in query or "prefix=" in query or not key)
+        name = key.removeprefix(f"{store}/")
+        ops.append(f"LIST {query}" if listing else f"{method} {name}")
+    return sorted(ops)
+
+
+def tiny_shard_store(shards: int) -> dict[str, bytes]:
+    """The files of a positional int32 store (token p is p) of ``shards`` shards of 64 tokens,
+    made in memory (~0.1 s for 1,000 shards): 4 documents a shard, cut differently in each, so no
+    two .idx are alike (the cache would fetch a shared one once)."""
+    from tokenmill.store import ShardInfo, build_manifest, idx_bytes, shard_name
+    rng, cuts = np.random.default_rng(0), set()
+    while len(cuts) < shards:
+        cuts.add(tuple(sorted(rng.choice(np.arange(1, 64), 3, replace=False).tolist())))
+    files, infos = {}, []
+    for i, c in enumerate(sorted(cuts)):
+        name = shard_name(i)
+        data = np.arange(64 * i, 64 * (i + 1), dtype=np.int32).tobytes()
+        idx = idx_bytes(np.diff((0, *c, 64)), np.int32)
+        files.update({f"{name}.bin": data, f"{name}.idx": idx})
+        infos.append(ShardInfo(name, 4, 64, len(data), len(idx), xxhash.xxh3_64_hexdigest(data),
+                               xxhash.xxh3_64_hexdigest(idx)))
+    manifest = build_manifest(tokenizer={"kind": "positional", "vocab_size": 1 << 31},
+                              dtype=np.int32, shards=infos, settings={}, skipped={"total": 0})
+    files["manifest.json"] = json_bytes(manifest)
+    return files
+
+
+def test_a_remote_start_costs_the_manifest_and_the_files_the_first_batch_reads(counted_s3):
+    """1,000 shards on S3; a fresh process's Loader and its first batch (concat layout): the
+    server sees the manifest GET and one GET of the .idx and of the .bin of each shard that
+    batch's rows hold tokens of (known from the tokens themselves: token p of this store is p),
+    nothing else — no LIST, no HEAD, no request for any other shard. A second process sharing the
+    cache reads the same batch with the manifest GET alone: the cache keeps copies named by the
+    xxh3 and size the manifest records, verified when downloaded, so the manifest is all it
+    needs to know they are the store's files."""
+    s3, log = counted_s3
+    files = tiny_shard_store(1000)
+    s3.fs.pipe({f"{s3.bucket}/many/{name}": data for name, data in files.items()})  # at once
+    url = s3.url("many")
+    script = textwrap.dedent(f"""
+        import json
+        import tokenmill
+        with tokenmill.Loader({url!r}, seq_len=100, batch_size=8, seed=5) as loader:
+            batch = next(iter(loader))
+        rows = [sorted(set(i.tolist()) | set(t.tolist()))
+                for i, t in zip(batch["inputs"], batch["targets"])]
+        print(json.dumps(rows))
+    """)
+    runs = []
+    for _ in range(2):
+        log.clear()
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=300, env=_subprocess_env())
+        assert proc.returncode == 0, proc.stderr
+        runs.append((json.loads(proc.stdout), operations(log, "many")))
+    (rows, first), (again, second) = runs
+    assert rows == again and all(r == list(range(r[0], r[0] + 101)) for r in rows)
+    read = sorted({t // 64 for r in rows for t in r})
+    assert 8 <= len(read) <= 24, read  # a row of 101 tokens lies in 2 or 3 shards of 64
+    want = ["GET manifest.json"] + [f"GET shard-{i:05d}{ext}" for i in read
+                                    for ext in (".bin", ".idx")]
+    assert first == sorted(want), f"{tally(first)}, want {tally(want)}"
+    assert second == ["GET manifest.json"], f"{tally(second)}"
+
+
+def tally(ops: list[str]) -> dict[str, int]:
+    """Requests by operation and file kind: {'GET .idx': 1000, 'LIST': 3, …}."""
+    return dict(Counter("LIST" if op.startswith("LIST") else
+                        f"{op.split()[0]} {os.path.splitext(op)[1]}" for op in ops))

@@ -408,3 +408,78 @@ def test_a_store_re_prepared_after_open_fails_the_first_read_naming_the_shard(tm
     with TokenStore(store) as fresh:  # opened again: reads the new tokens ("bytes" tokenizer)
         assert fresh.tokens(0, 3).tolist() == list(b"NEW")
         assert fresh.fingerprint != reader.fingerprint
+
+
+# ---- a manifest that lies about its shards' counts (issue 22.5) ---------------------------------
+
+LIES = {  # what a tool that edits manifest.json (and re-computes its checksum) may get wrong
+    "3 tokens over": lambda m, s: _claim(m, s, tokens=s["num_tokens"] + 3),
+    "3 tokens under": lambda m, s: _claim(m, s, tokens=s["num_tokens"] - 3),
+    "10x the tokens": lambda m, s: _claim(m, s, tokens=s["num_tokens"] * 10),
+    "a tenth of the tokens": lambda m, s: _claim(m, s, tokens=s["num_tokens"] // 10),
+    "a document more": lambda m, s: _claim(m, s, docs=s["num_documents"] + 1),
+    "3 tokens over, bytes to match": lambda m, s: _claim(m, s, tokens=s["num_tokens"] + 3,
+                                                         bin_bytes=True),
+    "3 tokens over in the totals alone": lambda m, s: m.update(num_tokens=m["num_tokens"] + 3),
+}
+
+
+def _claim(manifest: dict, shard: dict, *, tokens: int | None = None, docs: int | None = None,
+           bin_bytes: bool = False) -> None:
+    """Edit one shard's counts and the totals with them, as a careful editing tool would."""
+    if tokens is not None:
+        manifest["num_tokens"] += tokens - shard["num_tokens"]
+        shard["num_tokens"] = tokens
+        if bin_bytes:  # uint16 tokens (the "bytes" tokenizer's store): two bytes each
+            shard["bin_bytes"] = 2 * tokens
+    if docs is not None:
+        manifest["num_documents"] += docs - shard["num_documents"]
+        shard["num_documents"] = docs
+
+
+LYING_LOADER = '''
+import sys
+from tokenmill import Loader
+
+for layout in ("concat", "packed"):
+    try:
+        with Loader(sys.argv[1], seq_len=32, batch_size=4, layout=layout, seed=1) as loader:
+            for step, batch in zip(range(2_000), loader):  # more than an epoch
+                print(layout, "served batch", step, flush=True)
+    except Exception as e:
+        print(layout, "raised", f"{type(e).__name__}: {e}", flush=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def prepared_store(tmp_path_factory) -> Path:
+    """A store made by tokenmill.prepare from a small .jsonl: one shard of ~48,000 tokens."""
+    tmp = tmp_path_factory.mktemp("honest")
+    texts = [f"document {i} " + "lorem ipsum dolor " * (i % 23 + 2) for i in range(200)]
+    (tmp / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tokenmill.prepare(str(tmp / "in.jsonl"), out=tmp / "store", workers=1, progress=False)
+    return tmp / "store"
+
+
+@pytest.mark.parametrize("lie", list(LIES))
+def test_a_loader_over_a_manifest_that_lies_about_counts_refuses_naming_the_shard(
+        prepared_store, tmp_path, lie):
+    store = tmp_path / "store"
+    store.mkdir()
+    for p in prepared_store.iterdir():
+        (store / p.name).write_bytes(p.read_bytes())
+    m = json.loads((store / "manifest.json").read_text())
+    assert len(m["shards"]) == 1 and m["dtype"] == "uint16"
+    LIES[lie](m, m["shards"][0])
+    m["manifest_xxh3"] = manifest_checksum(m)  # the fingerprint covers checksums, not counts
+    atomic_write_json(store / "manifest.json", m)
+    (tmp_path / "train.py").write_text(LYING_LOADER)
+    r = subprocess.run([sys.executable, str(tmp_path / "train.py"), str(store)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    named = (f"{store}/manifest.json: totals" if "totals" in lie else
+             f"{store}/shard-00000.{'bin: expected' if 'bytes' in lie else 'idx: holds'}")
+    for layout, line in zip(("concat", "packed"), r.stdout.splitlines(), strict=True):
+        assert line.startswith(f"{layout} raised StoreError: {named}"), r.stdout[:2000]
+        assert "tokenmill verify" in line
+    assert verify_store(store)  # verify finds it too

@@ -91,12 +91,15 @@ def file_size(path: str, storage_options: Mapping[str, Any] | None = None) -> in
         return int(fs.size(p))
 
 
-def read_bytes(url: str, storage_options: Mapping[str, Any] | None = None) -> bytes | None:
-    """The whole object at ``url``; None if it does not exist."""
+def read_bytes(url: str, storage_options: Mapping[str, Any] | None = None, *,
+               one_request: bool = False) -> bytes | None:
+    """The whole object at ``url``; None if it does not exist. ``one_request``: one GET of
+    ``bytes=0-``, for an object that is never empty (a manifest): s3fs asks the size (a HEAD)
+    before a plain whole-object read, and S3 refuses that range for an empty object."""
     fs, rpath = filesystem(url, storage_options)
     try:
         with backend_errors(url):
-            return fs.cat_file(rpath)
+            return fs.cat_file(rpath, start=0) if one_request else fs.cat_file(rpath)
     except FileNotFoundError:
         return None
     except OSError as e:

@@ -14,7 +14,7 @@ from tokenmill.store.format import (CODE_OF_DTYPE, DTYPE_CODES, FORMAT, IDX_HEAD
                                     build_manifest, check_shard_names, idx_bytes,
                                     manifest_checksum, parse_manifest, read_idx, read_manifest,
                                     shard_name, store_fingerprint)
-from tokenmill.store.reader import MAX_OPEN, READAHEAD, VERIFY_MODES, TokenStore, check_sizes
+from tokenmill.store.reader import MAX_OPEN, VERIFY_MODES, TokenStore, check_sizes
 from tokenmill.store.upload import RemoteOut
 from tokenmill.store.verify import verify_store
 from tokenmill.store.writer import ShardInfo, ShardWriter
@@ -22,8 +22,8 @@ from tokenmill.store.writer import ShardInfo, ShardWriter
 __all__ = [
     "CACHE_BYTES_ENV", "CACHE_ENV", "CODE_OF_DTYPE", "CacheEntry", "CacheFullError",
     "DEFAULT_CACHE_BYTES", "DTYPE_CODES", "DownloadCancelled", "FORMAT", "IDX_HEADER", "IDX_MAGIC",
-    "IDX_VERSION", "IdxArrays", "MANIFEST", "MANIFEST_CHECKSUM", "MAX_OPEN", "Pin", "READAHEAD",
-    "RemoteOut", "RemoteShards", "ShardCache", "ShardInfo", "ShardWriter", "TokenStore",
+    "IDX_VERSION", "IdxArrays", "MANIFEST", "MANIFEST_CHECKSUM", "MAX_OPEN", "Pin", "RemoteOut",
+    "RemoteShards", "ShardCache", "ShardInfo", "ShardWriter", "TokenStore",
     "VERIFY_MODES", "VERSION",
     "atomic_write_bytes", "atomic_write_json", "build_manifest", "check_shard_names",
     "check_sizes", "default_cache_dir", "idx_bytes", "is_url", "json_bytes", "list_sizes",

@@ -21,7 +21,8 @@ Rules, each held with ``fcntl.flock`` on the entry's ``.lock`` file so that thre
 sharing the directory agree:
 
 - a download holds the lock exclusively, writes a temporary file, checks size and xxh3 against the
-  manifest, fsyncs and renames (under ``.lock``: a count never misses the file between its two
+  manifest (one ranged GET per 8 MiB of the size the manifest records: no HEAD, no LIST), fsyncs
+  and renames (under ``.lock``: a count never misses the file between its two
   names): a data file is always complete and verified;
 - a reader holds it shared for as long as the file is memory-mapped (a *pin*);
 - eviction takes, least recently used first (mtime, set on every use), only entries whose lock it
@@ -43,7 +44,7 @@ import re
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -52,7 +53,7 @@ import numpy as np
 import xxhash
 
 from tokenmill.errors import StoreError
-from tokenmill.io import (BackgroundJobs, filesystem, list_sizes, lock_file, parse_bytes, redact,
+from tokenmill.io import (BackgroundJobs, filesystem, lock_file, parse_bytes, redact,
                           stop_background_jobs, unlock)
 
 CACHE_ENV = "TOKENMILL_CACHE_DIR"
@@ -342,13 +343,16 @@ class ShardCache:
         fs, rpath = filesystem(url, self.storage_options)
         h, n, where = xxhash.xxh3_64(), 0, redact(url)
         try:
-            with _open_remote(fs, rpath) as src, open(tmp, "r+b") as dst:
-                while n <= size and (chunk := src.read(_CHUNK)):
+            with _open_remote(fs, rpath, size) as src, open(tmp, "r+b") as dst:
+                while n < size:
                     if cancel is not None and cancel.is_set():
                         raise DownloadCancelled(f"{redact(url)}: download cancelled")
+                    chunk = src.read(want := min(_CHUNK, size - n))
                     dst.write(chunk)
                     h.update(chunk)
                     n += len(chunk)
+                    if len(chunk) < want:  # the object ends early (asking past it: an error)
+                        break
                 dst.flush()
                 os.fsync(dst.fileno())
         except FileNotFoundError as e:
@@ -363,7 +367,7 @@ class ShardCache:
                              "AWS_ACCESS_KEY_ID, …), then try again") from e
         name = url.rstrip("/").rsplit("/", 1)[-1]
         if n != size:
-            raise StoreError(f"{where}: shard file {name} has {n:,}{'+' if n > size else ''} bytes, "
+            raise StoreError(f"{where}: shard file {name} has {n:,} bytes, "
                              f"the manifest records {size:,}; the remote store is corrupt or was "
                              "replaced — run 'tokenmill verify' on it, then 'tokenmill prepare' again")
         if (got := h.hexdigest()) != xxh3:
@@ -372,9 +376,36 @@ class ShardCache:
                              "'tokenmill verify' on it, then 'tokenmill prepare' again")
 
 
-def _open_remote(fs, rpath: str):
+class RangeReader:
+    """A remote file of known ``size`` read by ranged GETs (``cat_file(start, end)``), one per
+    ``read``: no HEAD, no LIST (an fsspec file object asks the object's size or ETag first). A
+    longer object's tail is never read; a shorter one's end shows as a short read."""
+
+    def __init__(self, fs, rpath: str, size: int):
+        self.fs, self.rpath, self.size, self.pos = fs, rpath, size, 0
+
+    def __enter__(self) -> RangeReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Nothing to release: each read is a request of its own."""
+
+    def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes from where the last read stopped (b"" at ``size``)."""
+        end = min(self.size, self.pos + n)
+        if end <= self.pos:
+            return b""
+        data = self.fs.cat_file(self.rpath, start=self.pos, end=end)
+        self.pos += len(data)
+        return data
+
+
+def _open_remote(fs, rpath: str, size: int) -> RangeReader:
     """The remote file as a binary stream (a seam for tests that inject a failing stream)."""
-    return fs.open(rpath, "rb", block_size=_CHUNK)
+    return RangeReader(fs, rpath, size)
 
 
 def _is_data(name: str) -> bool:
@@ -405,8 +436,9 @@ def _at_exit() -> None:
 
 
 class RemoteShards:
-    """The files of a remote store seen through a ShardCache: size-checked at open, fetched on
-    demand or ahead in a background thread, memory-mapped while pinned."""
+    """The files of a remote store seen through a ShardCache: fetched on demand (or ahead, when
+    asked) and checked against the manifest's size and xxh3 as they land, memory-mapped while
+    pinned. Opening costs no request: the store is never listed."""
 
     def __init__(self, url: str, manifest: dict, *, cache_dir: str | os.PathLike | None = None,
                  cache_bytes: int | str | None = None,
@@ -417,7 +449,6 @@ class RemoteShards:
         for s in manifest["shards"]:
             self.files[f"{s['name']}.bin"] = (int(s["bin_bytes"]), s["bin_xxh3"])
             self.files[f"{s['name']}.idx"] = (int(s["idx_bytes"]), s["idx_xxh3"])
-        self._check_sizes(list_sizes(self.url, storage_options))
         self._prefetcher = BackgroundJobs("tokenmill-prefetch")
 
     @property
@@ -427,32 +458,10 @@ class RemoteShards:
         d.mkdir(parents=True, exist_ok=True)
         return d
 
-    def _check_sizes(self, sizes: dict[str, int]) -> None:
-        where = redact(self.url)
-        for name, (size, _) in self.files.items():
-            got = sizes.get(name)
-            if got is None:
-                raise StoreError(f"{where}/{name}: missing; the remote store is incomplete — "
-                                 "run 'tokenmill prepare' again, or 'tokenmill verify' on it")
-            if got != size:
-                raise StoreError(f"{where}/{name}: expected {size:,} bytes, found {got:,}; the "
-                                 "shard is truncated or was replaced — run 'tokenmill verify' on "
-                                 "the store, then 'tokenmill prepare' again")
-
     def fetch(self, name: str) -> Path:
         """A verified local copy of one of the store's files (not pinned)."""
         size, digest = self.files[name]
         return self.cache.fetch(f"{self.url}/{name}", size, digest)
-
-    def fetch_many(self, names: list[str], threads: int = 8) -> None:
-        """Fetch several files at once (small files: the index of every shard at open)."""
-        if len(names) <= 1:
-            for n in names:
-                self.fetch(n)
-            return
-        with ThreadPoolExecutor(min(threads, len(names)), thread_name_prefix="tokenmill-fetch") as ex:
-            for _ in ex.map(self.fetch, names):
-                pass
 
     def pin(self, name: str) -> Pin:
         """A verified local copy, held in the cache until released."""

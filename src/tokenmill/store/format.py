@@ -127,17 +127,6 @@ def size_or_raise(path: Path) -> int:
                          "again, or 'tokenmill verify' to see what else is wrong") from None
 
 
-def read_idx_header(path: str | os.PathLike, *, check: StatCheck | None = None
-                    ) -> tuple[np.dtype, int]:
-    """(token dtype, document count) from an ``.idx`` file's header, checked against its size;
-    the file is closed again (no map, no descriptor kept). ``check``: as for ``read_idx``."""
-    path = Path(path)
-    size_or_raise(path)  # a missing file: a StoreError saying the store is incomplete
-    with open(path, "rb") as f:
-        n, _, code = _read_idx_header(path, f, check)
-    return np.dtype(DTYPE_CODES[code]), n
-
-
 def read_idx(path: str | os.PathLike, *, in_memory: bool = False,
              check: StatCheck | None = None) -> IdxArrays:
     """Map an ``.idx`` file (one map, so one file descriptor while it lives), or with
@@ -383,7 +372,7 @@ def read_manifest(path: str | os.PathLike, *, storage_options: dict | None = Non
 
 def _read_remote_manifest(url: str, storage_options) -> dict:
     where = redact(f"{url}/{MANIFEST}")
-    data = read_bytes(f"{url}/{MANIFEST}", storage_options)
+    data = read_bytes(f"{url}/{MANIFEST}", storage_options, one_request=True)
     if data is None:
         partial = any(n.startswith("shard-") for n in list_sizes(url, storage_options))
         raise StoreError(f"{where}: missing — {missing_manifest_hint(partial)}")

@@ -1,16 +1,19 @@
 """Reading a store: ``TokenStore``, a read-only, memory-mapped view of its documents and tokens,
 local or remote (shards of a remote store are read through the local cache).
 
-Opening reads the manifest and checks each shard file's size (a ``stat``, no descriptor kept;
-the file's identity — device, inode, size, mtime — is remembered); shards are mapped when first
-read, and at most ``max_open`` files (default 32) stay mapped, least recently used dropped first
-— a store of 100,000 shards opens in well under a second and holds a bounded number of
-descriptors. Every map (and re-map) first proves, by an ``fstat`` of the descriptor it maps, that
-the file is the one seen at open: a store re-prepared underneath a reader fails with a StoreError
-instead of serving other tokens. When a shard is first mapped, its ``.idx`` header is
-checked against the manifest and, unless ``verify="off"``, the xxh3 of its ``.bin`` and ``.idx``
-is computed once per process in a background thread: a mismatch fails the next read (and
-``check()``) with a StoreError naming the file.
+Opening reads the manifest (its totals checked against its shards) and checks each shard file's
+size (a ``stat``, no descriptor kept; the file's identity — device, inode, size, mtime — is
+remembered; a remote store: the manifest alone, one GET, and a shard's ``.idx`` is fetched when
+the shard is first read); shards are mapped when first read, and at most ``max_open`` files
+(default 32) stay mapped, least recently used dropped first — a store of 100,000 shards opens in
+well under a second and holds a bounded number of descriptors. Every map (and re-map) first
+proves, by an ``fstat`` of the descriptor it maps, that the file is the one seen at open: a store
+re-prepared underneath a reader fails with a StoreError instead of serving other tokens. When a
+shard is first read, its ``.idx`` is checked against the manifest — dtype, documents, tokens
+(where its last document ends), and the .bin's bytes for that many tokens: a manifest that lies
+about a shard's counts is a StoreError naming the shard — and, unless ``verify="off"``, the xxh3
+of its ``.bin`` and ``.idx`` is computed once per process in a background thread: a mismatch
+fails the next read (and ``check()``) with a StoreError naming the file.
 """
 
 from __future__ import annotations
@@ -30,14 +33,14 @@ from tokenmill.errors import ConfigError, StoreError
 from tokenmill.io import ChecksumWatch, file_id, is_url, map_file, redact
 from tokenmill.sampler import distinct
 from tokenmill.store.cache import CacheFullError, RemoteShards
-from tokenmill.store.format import (IdxArrays, read_idx, read_idx_header, read_manifest,
-                                    size_or_raise)
+from tokenmill.store.format import MANIFEST, IdxArrays, read_idx, read_manifest, size_or_raise
 
-READAHEAD = 2  # remote shards fetched in the background past the one just mapped
 MAX_OPEN = 32  # shard files a store keeps mapped at once (each map holds one descriptor)
 VERIFY_MODES = ("background", "off")
 VERIFY_HINT = ("; reading it would give other tokens than were prepared — run 'tokenmill "
                "verify', then 'tokenmill prepare' again")
+DISAGREE = ("the shard and the manifest disagree (the manifest was edited or written by another "
+            "tool, or the shard is damaged) — run 'tokenmill verify'")
 
 
 def check_sizes(path: str | os.PathLike, manifest: dict) -> array:
@@ -97,7 +100,6 @@ class TokenStore:
             self._open_args = {"path": self.url, "cache_dir": str(self._remote.cache.root),
                                "cache_bytes": self._remote.cache.max_bytes,
                                "storage_options": storage_options}
-            self._remote.fetch_many([f"{s['name']}.idx" for s in self.manifest["shards"]])
         else:
             self.path, self.url = Path(path), None
             self.manifest = read_manifest(self.path)
@@ -111,6 +113,7 @@ class TokenStore:
         self.shard_token_starts = np.cumsum([0] + [s["num_tokens"] for s in shards], dtype=np.int64)
         self._base = str(self.path)  # shard files are f"{_base}/{name}.bin"
         self._where = redact(self._base)
+        self._check_totals()
         self._bins: list[np.ndarray | None] = [None] * len(shards)
         self._idx: list[IdxArrays | None] = [None] * len(shards)
         self._seen = bytearray(len(shards))  # shards whose first use was checked
@@ -174,30 +177,48 @@ class TokenStore:
                 b = map_file(f"{self._base}/{s['name']}.bin", self.dtype,
                              check=self._same_file(i, ".bin"))
             self._keep(i, b)
-        if self._remote is not None:
-            self._read_ahead(i)
         return b
 
     def _first_use(self, i: int) -> None:
-        """Check shard ``i``'s index header against the manifest and queue its checksums."""
+        """Check shard ``i``'s index against the manifest and queue its checksums. A remote
+        shard's index is fetched here, when the shard is first read, and kept; a local one is
+        mapped for the check alone (every index read is checked: ``_read_index``)."""
         s = self.manifest["shards"][i]
-        if self._remote is not None:
-            dtype, n = self._index(i).dtype, len(self._index(i).lengths)
+        if self._remote is not None or self._idx[i] is not None:
+            self._index(i)
         else:
-            dtype, n = read_idx_header(f"{self._base}/{s['name']}.idx",
-                                       check=self._same_file(i, ".idx"))
-        self._check_index(i, dtype, n)
+            self._read_index(i, in_memory=False)  # mapped for the check; unmapped after
         if self._remote is None:
             self._checks.add(f"{self._base}/{s['name']}.bin", s["bin_xxh3"])
             self._checks.add(f"{self._base}/{s['name']}.idx", s["idx_xxh3"])
         self._seen[i] = 1
 
-    def _check_index(self, i: int, dtype: np.dtype, n: int) -> None:
-        s = self.manifest["shards"][i]
-        if dtype != self.dtype or n != s["num_documents"]:
-            raise StoreError(f"{self._file(i, '.idx')}: holds {n:,} {dtype} documents, the "
-                             f"manifest says {s['num_documents']:,} {self.dtype}; run 'tokenmill "
-                             "verify'")
+    def _check_totals(self) -> None:
+        """Raise StoreError unless the manifest's totals are the sums of its shards' counts."""
+        docs, tokens = int(self.shard_doc_starts[-1]), int(self.shard_token_starts[-1])
+        if (docs, tokens) != (len(self), self.num_tokens):
+            raise StoreError(f"{self._where}/{MANIFEST}: totals ({len(self):,} documents, "
+                             f"{self.num_tokens:,} tokens) disagree with its shards ({docs:,}, "
+                             f"{tokens:,}); the manifest was edited or is damaged — run "
+                             "'tokenmill verify'")
+
+    def _check_index(self, i: int, x: IdxArrays) -> None:
+        """Raise StoreError naming shard ``i``'s file unless its index holds what the manifest
+        says: dtype, documents, tokens, and a .bin of that many tokens. Its tokens are where its
+        last document ends (offset + length): the sum of its lengths, as the offsets of an index
+        are contiguous (``verify`` checks it; the checksum holds it), read in O(1) — a pass over
+        the lengths of a 2^31-document shard takes half a minute."""
+        s, n = self.manifest["shards"][i], len(x.lengths)
+        tokens = int(x.pointers[-1]) // x.dtype.itemsize + int(x.lengths[-1]) if n else 0
+        if x.dtype != self.dtype or n != s["num_documents"] or tokens != s["num_tokens"]:
+            raise StoreError(f"{self._file(i, '.idx')}: holds {n:,} {x.dtype} "
+                             f"documents of {tokens:,} tokens, the manifest says "
+                             f"{s['num_documents']:,} {self.dtype} documents of "
+                             f"{s['num_tokens']:,} tokens; {DISAGREE}")
+        if s["bin_bytes"] != s["num_tokens"] * self.dtype.itemsize:
+            raise StoreError(f"{self._file(i, '.bin')}: holds {s['bin_bytes']:,} bytes "
+                             f"({s['bin_bytes'] / self.dtype.itemsize:,.1f} {self.dtype} tokens), "
+                             f"the manifest says {s['num_tokens']:,} tokens; {DISAGREE}")
 
     def _map_idx(self, i: int) -> IdxArrays:
         with self._shard_lock(-1 - i):
@@ -218,7 +239,7 @@ class TokenStore:
         else:
             with self._remote.pin(name) as pin:  # copied to memory: no pin held after
                 x = read_idx(pin.path, in_memory=True)
-        self._check_index(i, x.dtype, len(x.lengths))
+        self._check_index(i, x)
         return x
 
     def _map_remote_bin(self, name: str) -> np.ndarray:
@@ -261,13 +282,6 @@ class TokenStore:
                 self._remote_bytes -= nbytes
         else:
             self._idx[-1 - key] = None
-
-    def _read_ahead(self, i: int) -> None:
-        shards = self.manifest["shards"]
-        ahead = [f"{shards[j]['name']}.bin"
-                 for j in range(i + 1, min(i + 1 + READAHEAD, len(shards))) if self._bins[j] is None]
-        if ahead:
-            self._remote.prefetch(ahead)  # errors are the reader's to meet, when it gets there
 
     def check(self, wait: bool = False) -> None:
         """Raise the StoreError of a shard file whose background checksum failed (the message
