@@ -25,7 +25,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from tokenmill import pacing
-from tokenmill.errors import ConfigError, StaleIterator
+from tokenmill.errors import ConfigError, StaleIterator, check_int
 from tokenmill.lifetime import Iteration, OneIterator, Pass
 from tokenmill.mixture import described_phases
 from tokenmill.options import LoaderOptions
@@ -73,11 +73,10 @@ class Loader(OneIterator):
         self.options = opts = LoaderOptions.of(options)
         self.config = LayoutConfig(seq_len=seq_len, layout=layout, seed=seed,
                                    max_segments=opts.max_segments)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or \
-                batch_size < 1:
-            raise ConfigError(f"batch_size must be an int >= 1 (got batch_size={batch_size!r})")
-        self.rank, self.world_size = resolve_rank(rank, world_size)
-        self.batch_size = int(batch_size)
+        self.batch_size = check_int("batch_size", batch_size, minimum=1)
+        self.rank, self.world_size = resolve_rank(
+            check_int("rank", rank, minimum=0, optional=True),
+            check_int("world_size", world_size, minimum=1, optional=True))
         self.epochs, self.worker_type = opts.epochs, opts.worker_type
         self.cache_dir = None if opts.cache_dir is None else str(opts.cache_dir)
         self.num_workers = _resolve_workers(num_workers)

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from tokenmill import pack
-from tokenmill.errors import ConfigError, StaleIterator
+from tokenmill.errors import ConfigError, StaleIterator, check_int, is_int
 from tokenmill.lifetime import Iteration, OneIterator
 from tokenmill.plan import MAX_CONSUMED, LayoutConfig, resolve_rank
 from tokenmill.prepare.pool import UNITS_PER_WORKER
@@ -57,19 +57,18 @@ def open_stream(inputs: str | os.PathLike | Sequence, *, tokenizer: str = "bytes
     given = {"shuffle_buffer": shuffle_buffer, "pack_window": pack_window}
     order = OrderSettings(seq_len=seq_len, seed=seed, layout=layout, max_segments=max_segments,
                           **{k: v for k, v in given.items() if v is not None})
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
-            or batch_size < 1:
-        raise ConfigError(f"batch_size must be an int >= 1 (got batch_size={batch_size!r})")
+    batch_size = check_int("batch_size", batch_size, minimum=1)
     if cache_dir is None:
         raise ConfigError("cache_dir is required: the first pass is cached there as a store")
-    rank, world_size = resolve_rank(rank, world_size)
+    rank, world_size = resolve_rank(check_int("rank", rank, minimum=0, optional=True),
+                                    check_int("world_size", world_size, minimum=1, optional=True))
     workers = resolve_stream_workers(num_workers)
     config = PrepareConfig(tokenizer=os.fspath(tokenizer), **options)
     tok = load_stream_tokenizer(config)
     plan = plan_stream(inputs, config, tok, cache_dir=cache_dir, order=order,
                        num_workers=workers, storage_options=storage_options)
     return StreamLoader(plan, tok, BatchSlice(rank=rank, world_size=world_size,
-                                              batch_size=int(batch_size)))
+                                              batch_size=batch_size))
 
 
 class StreamLoader(OneIterator):
@@ -240,7 +239,7 @@ def check_state(state: Mapping[str, Any],
                           "sizes/times), tokenizer, options, seq_len, seed or shuffle_buffer "
                           "differ")
     k, n = state.get("consumed_samples"), state.get("pass_samples")
-    if not (_is_int(k) and 0 <= k <= MAX_CONSUMED) or not (n is None or _is_int(n) and n > 0):
+    if not (is_int(k) and 0 <= k <= MAX_CONSUMED) or not (n is None or is_int(n) and n > 0):
         raise ConfigError(f"consumed_samples must be an int in [0, 2**63) and pass_samples None "
                           f"or an int > 0 (got consumed_samples={k!r}, pass_samples={n!r})")
     if n is not None and store_complete(plan):
@@ -259,7 +258,7 @@ def check_cursor(resume: Any, plan: StreamPlan) -> Cursor | None:
         return None  # no check: nothing ties it to this pass, so it is not even range-checked
     fields = CURSOR_FIELDS if plan.packed else CURSOR_FIELDS[:3]
     values = tuple(resume.get(f) for f in fields)
-    if (not all(_is_int(x) and x >= 0 for x in values) or values[0] > len(plan.units)):
+    if (not all(is_int(x) and x >= 0 for x in values) or values[0] > len(plan.units)):
         raise ConfigError(f"resume_from must hold ints >= 0 {fields} with unit <= "
                           f"{len(plan.units)} (got resume_from={resume!r})")
     cursor = Cursor(*map(int, values))
@@ -280,6 +279,3 @@ def pass_samples_of(plan: StreamPlan) -> int:
     finally:
         store.close()
 
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
