@@ -153,6 +153,7 @@ class Loader(OneIterator):
     def explain(self, step: int) -> list[RowOrigin]:
         """Where each row of this rank's batch at ``step`` (of this loader's batch size) came from:
         store, draw, and per document piece the shard, document number and token offset."""
+        step = check_int("step", step, minimum=0)  # -1 explained another step's rows
         return explain_positions(self.plan, self.positions(step * self.global_batch_size))
 
     def _remaining(self) -> int | None:

@@ -13,6 +13,8 @@ validates, names and describes them (``described_phases`` is what a checkpoint r
 
 from __future__ import annotations
 
+import ast
+import json
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 from tokenmill.errors import ConfigError, is_int, redact
 
-__all__ = ["Mixture", "described_phases", "mixture_of"]
+__all__ = ["Mixture", "described_phases", "mixture_of", "phases_from_text"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,23 @@ def _phases(names: tuple[str, ...], mixture) -> tuple[tuple[int, tuple[float, ..
         raise ConfigError(f"mixture phases must be sorted by first sample, the first at 0, no "
                           f"two at the same sample (got starts {starts})")
     return tuple(phases)
+
+
+def phases_from_text(text: str) -> list:
+    """Phases written on a command line: JSON, or the same as a Python literal (single quotes,
+    tuples); else a one-line ConfigError.
+
+    phases_from_text("[(0, {'web': 1})]") == [(0, {"web": 1})]
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        raise ConfigError(f"--mixture {text!r} is neither JSON nor a Python literal; write the "
+                          "phases as [[0, {\"web\": 0.9, \"code\": 0.1}], [80000, {…}]]") from None
 
 
 def described_phases(mix: Mixture) -> list[list]:
