@@ -66,6 +66,17 @@ class ConcurrentWriterError(StoreError):
         self.pid = pid
 
 
+class DiskFullError(StoreError):
+    """Writing a file failed: the disk is full (or a quota or file-size limit is reached); the
+    message names the file and says to free space and run again. ``path``, ``reason``: for a
+    writer that knows better what to advise (a streaming cache names its cache_dir)."""
+
+    def __init__(self, message: str, *, path: str | None = None, reason: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.reason = reason
+
+
 class ConfigError(TokenmillError, ValueError):
     """A setting is out of range or inconsistent; the message shows the bad value."""
 
