@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from dataclasses import asdict
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -206,7 +207,7 @@ class StreamLoader(OneIterator):
                       "check": cursor_check(self.fingerprint, self._hint)}
         return {"version": STATE_VERSION, "mode": "stream", "fingerprint": self.fingerprint,
                 "consumed_samples": int(self._consumed), "pass_samples": self._pass_samples,
-                "resume_from": resume}
+                "resume_from": resume, "settings": asdict(self._plan.order_settings)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state``; refuses one of other inputs, tokenizer, options, seq_len, seed
@@ -235,9 +236,9 @@ def check_state(state: Mapping[str, Any],
                           f"mode 'stream'): {state!r}")
     if state.get("fingerprint") != plan.fingerprint:
         raise ConfigError(f"loader state fingerprint {state.get('fingerprint')!r} does not "
-                          f"match this loader's {plan.fingerprint!r}: the inputs (or their "
-                          "sizes/times), tokenizer, options, seq_len, seed or shuffle_buffer "
-                          "differ")
+                          f"match this loader's {plan.fingerprint!r}: " + what_differs(
+                              state.get("settings"), plan.order_settings,
+                              "the inputs (or their sizes/times), tokenizer or options"))
     k, n = state.get("consumed_samples"), state.get("pass_samples")
     if not (is_int(k) and 0 <= k <= MAX_CONSUMED) or not (n is None or is_int(n) and n > 0):
         raise ConfigError(f"consumed_samples must be an int in [0, 2**63) and pass_samples None "
@@ -249,6 +250,22 @@ def check_state(state: Mapping[str, Any],
                               f"which holds {have:,} windows (cache store {plan.store_dir}): the "
                               "state was edited or comes from another run")
     return int(k), None if n is None else int(n), check_cursor(state.get("resume_from"), plan)
+
+
+def what_differs(saved: Any, order: OrderSettings, others: str) -> str:
+    """The end of a fingerprint message: the settings that differ from a state's record of them
+    (``settings``: seq_len, seed, shuffle_buffer, layout, max_segments, pack_window), the saved
+    run's value first; when none does, ``others`` (what else the fingerprint holds) differ."""
+    now = asdict(order)
+    if order.layout != "packed":  # concat: max_segments and pack_window take no part
+        now = {k: v for k, v in now.items() if k not in ("max_segments", "pack_window")}
+    if not isinstance(saved, Mapping):  # a state saved before the record: name every part
+        return f"{others}, or {', '.join(now)} differ"
+    diffs = [f"{k} {saved.get(k)!r} → {v!r}" for k, v in now.items() if saved.get(k) != v]
+    if diffs:
+        return (f"{', '.join(diffs)} (the saved run's → this loader's); make the loader with "
+                "the saved run's settings to resume it")
+    return f"{others} differ ({', '.join(now)} agree)"
 
 
 def check_cursor(resume: Any, plan: StreamPlan) -> Cursor | None:

@@ -37,7 +37,7 @@ from tokenmill.errors import ConfigError, StaleIterator, check_int, is_int
 from tokenmill.mixture import Mixture, described_phases, mixture_of
 from tokenmill.plan import MAX_CONSUMED, resolve_rank
 from tokenmill.lifetime import Iteration, OneIterator
-from tokenmill.streaming.loader import StreamLoader, open_stream
+from tokenmill.streaming.loader import StreamLoader, open_stream, what_differs
 from tokenmill.streaming.plan import STATE_VERSION, digest, resolve_stream_workers
 from tokenmill.streaming.producer import READY_BATCHES
 from tokenmill.streaming.rows import new_batch
@@ -236,10 +236,14 @@ def check_mixed_state(state: Any, loader: MixedStreamLoader) -> int:
         raise ConfigError(f"unsupported stream mixture state (want version {STATE_VERSION}, "
                           f"mode {MIX_MODE!r}): {state!r}")
     if state.get("fingerprint") != loader.fingerprint:
+        saved = state.get("sources")  # every source's state records the same settings
+        first = next(iter(saved.values()), None) if isinstance(saved, Mapping) else None
         raise ConfigError(f"loader state fingerprint {state.get('fingerprint')!r} does not match "
-                          f"this loader's {loader.fingerprint!r}: the sources (names, inputs or "
-                          "their sizes/times), tokenizer, options, seq_len, layout, seed, "
-                          "shuffle_buffer or fixed weights differ")
+                          f"this loader's {loader.fingerprint!r}: " + what_differs(
+                              first.get("settings") if isinstance(first, Mapping) else None,
+                              loader.sources[0].plan.order_settings,
+                              "the sources (names, inputs or their sizes/times), tokenizer, "
+                              "options or fixed weights"))
     k = state.get("consumed_samples")
     if not is_int(k) or not 0 <= k <= MAX_CONSUMED:
         raise ConfigError(f"consumed_samples must be an int in [0, 2**63) (got {k!r})")
