@@ -66,6 +66,8 @@ class Loader(OneIterator):
     whose checksum fails the store's background verification.
     """
 
+    _pickle_hint = "; for torch DataLoader workers, pass tokenmill.torch.TokenDataset(loader)"
+
     def __init__(self, source: str | os.PathLike | TokenStore | Mapping, *, seq_len: int,
                  batch_size: int, layout: str = "concat", seed: int = 0,
                  rank: int | None = None, world_size: int | None = None,
