@@ -264,7 +264,10 @@ def test_resume_is_exact_in_a_fresh_process(corpus, tmp_path):
             next(iter(ld))  # a new iterator every step: nothing taken ahead is lost
         store = ld.store_path
     assert set(states[37]) == {"version", "mode", "fingerprint", "consumed_samples",
-                               "pass_samples", "resume_from"}
+                               "pass_samples", "resume_from", "settings"}
+    assert states[37]["settings"] == {"seq_len": L, "seed": 2, "shuffle_buffer": S,
+                                      "layout": "concat", "max_segments": None,
+                                      "pack_window": 1024}
     assert states[37]["resume_from"] is not None and states[37]["pass_samples"] is None
     assert states[end + 1]["pass_samples"] == ref.n
     jobs = []
