@@ -264,7 +264,10 @@ def test_resume_is_exact_in_a_fresh_process(corpus, tmp_path):
             next(iter(ld))  # a new iterator every step: nothing taken ahead is lost
         store = ld.store_path
     assert set(states[37]) == {"version", "mode", "fingerprint", "consumed_samples",
-                               "pass_samples", "resume_from"}
+                               "pass_samples", "resume_from", "settings"}
+    assert states[37]["settings"] == {"seq_len": L, "seed": 2, "shuffle_buffer": S,
+                                      "layout": "concat", "max_segments": None,
+                                      "pack_window": 1024}
     assert states[37]["resume_from"] is not None and states[37]["pass_samples"] is None
     assert states[end + 1]["pass_samples"] == ref.n
     jobs = []
@@ -589,3 +592,30 @@ def test_compressed_inputs_stream_in_units_and_resume_mid_file(corpus, tmp_path)
             assert_batches(take(ld, 5), ref, first_step=120)
         finally:
             os.close(fd)
+
+
+# ---- a global batch larger than the pass (issue 22, class 8) -------------------------------------
+
+@pytest.mark.parametrize("layout", ["concat", "packed"])
+def test_a_global_batch_larger_than_the_pass_is_refused_not_repeated(tmp_path, layout):
+    # three short documents: 2 concat windows or 4 packed rows of 16 tokens; a batch of 8 used to
+    # hold the same row up to 8 times
+    write_jsonl(tmp_path / "a.jsonl", [f"doc {i} " * 3 for i in range(3)])
+    extra = {"layout": "packed", "pack_window": 2} if layout == "packed" else {}
+    what = "packed rows" if layout == "packed" else "windows"
+    for run in ("reading the text", "reading the complete cache"):
+        for rank, world_size in ((0, 1), (1, 2)):
+            ld = Loader.from_text([str(tmp_path / "a.jsonl")], seq_len=16, batch_size=8 // world_size,
+                                  rank=rank, world_size=world_size, cache_dir=tmp_path / "cache",
+                                  num_workers=0, **extra)
+            with ld:
+                for _ in range(2):  # refused, and again by a new iterator: never a batch
+                    with pytest.raises(ConfigError, match=(
+                            rf"^batch_size × world_size = 8 samples is more than one pass over "
+                            rf"the text holds \(\d {what} of seq_len 16\).*lower batch_size")):
+                        next(iter(ld))
+        assert (tmp_path / "cache").is_dir(), run
+    with Loader.from_text([str(tmp_path / "a.jsonl")], seq_len=16, batch_size=2, num_workers=0,
+                          cache_dir=tmp_path / "cache", **extra) as ld:
+        rows = take(ld, 1)[0]["inputs"]  # a batch the pass holds: distinct rows
+        assert len({r.tobytes() for r in rows}) == 2

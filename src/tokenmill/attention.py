@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tokenmill.errors import ConfigError
+from tokenmill.errors import ConfigError, check_int
 
 __all__ = ["VarlenArgs", "document_mask", "flat_position_ids", "sequence_ids", "sequence_starts",
            "varlen_args", "varlen_slots"]
@@ -97,10 +97,8 @@ def varlen_slots(batch_size: int, max_segments: int) -> int:
 
     varlen_slots(8, 4) == 33
     """
-    for name, v in (("batch_size", batch_size), ("max_segments", max_segments)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ConfigError(f"{name} must be an int >= 1 (got {name}={v!r})")
-    return int(batch_size) * int(max_segments) + 1
+    return check_int("batch_size", batch_size, minimum=1) * \
+        check_int("max_segments", max_segments, minimum=1) + 1
 
 
 def varlen_args(segment_ids, *, pad_to: int | None = None) -> VarlenArgs:

@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from tokenmill.errors import ConfigError, TokenmillError, os_error_text, redact
+from tokenmill.errors import ConfigError, TokenmillError, is_int, os_error_text, redact
 
 USAGE_EXIT = 2  # argparse's code; also every TokenmillError (a refusal that says what to do)
 FAILED_EXIT = 1  # the system said no: a read-only disk, a missing folder, out of memory
@@ -256,14 +256,16 @@ def add_resume_check(sub) -> None:
                     "say whether a saved loader state resumes exactly on these stores and settings")
     pr.add_argument("state", help="a Loader's state_dict() saved as JSON")
     pr.add_argument("stores", nargs="+", help="STORE, or NAME=STORE for named stores (in order)")
-    pr.add_argument("--seq-len", type=int, required=True)
-    pr.add_argument("--batch-size", type=int, required=True)
-    pr.add_argument("--layout", choices=["concat", "packed"], default="concat")
-    pr.add_argument("--seed", type=int, default=0)
-    pr.add_argument("--world-size", type=int, default=1)
-    pr.add_argument("--max-segments", type=int, default=None)
-    pr.add_argument("--mixture", default=None, help="named stores: the phases as JSON, "
-                    "[[0, {\"web\": 0.9, \"code\": 0.1}], …] (default: the state's)")
+    saved = " (default: the state's, as the run had it)"
+    pr.add_argument("--seq-len", type=int, default=None, help="the new run's" + saved)
+    pr.add_argument("--batch-size", type=int, default=None, help="the new run's" + saved)
+    pr.add_argument("--layout", choices=["concat", "packed"], default=None, help=saved.strip())
+    pr.add_argument("--seed", type=int, default=None, help=saved.strip())
+    pr.add_argument("--world-size", type=int, default=None, help=saved.strip())
+    pr.add_argument("--max-segments", type=int, default=None, help=saved.strip())
+    pr.add_argument("--mixture", default=None, help="named stores: the phases as JSON (or a "
+                    "Python literal), [[0, {\"web\": 0.9, \"code\": 0.1}], …] (default: the "
+                    "state's)")
 
 
 def add_explain(sub) -> None:
@@ -279,7 +281,8 @@ def add_explain(sub) -> None:
     pe.add_argument("--seed", type=int, default=0, help="the Loader's seed (default 0)")
     pe.add_argument("--rank", type=int, default=0, help="the rank whose rows to explain")
     pe.add_argument("--world-size", type=int, default=1, help="ranks in the job (default 1)")
-    pe.add_argument("--mixture", default=None, help="named stores: the phases as JSON")
+    pe.add_argument("--mixture", default=None, help="named stores: the phases as JSON (or a "
+                    "Python literal)")
 
 
 def add_demo(sub) -> None:
@@ -391,28 +394,55 @@ def run_plan(args) -> int:
 
 def _resume_source(stores: list[str], saved: dict, mixture: str | None):
     """The Loader source and mixture= of ``resume-check``'s store arguments."""
-    named = [s.partition("=") for s in stores]
-    if all(sep for _, sep, _ in named):
-        phases = json.loads(mixture) if mixture is not None else saved.get("mixture")
+    named = [_named_store(s) for s in stores]
+    if all(named):
+        from tokenmill.mixture import phases_from_text
+        phases = phases_from_text(mixture) if mixture is not None else saved.get("mixture")
         if phases is None:
             raise ConfigError("named stores need the mixture phases: pass --mixture, or a state "
                               "saved by a loader with mixture=")
-        return {name: path for name, _, path in named}, phases
+        return dict(named), phases
     weights = saved.get("weights") or []
     if len(weights) != len(stores):
         weights = [1.0] * len(stores)
     return (stores[0] if len(stores) == 1 else dict(zip(stores, weights))), None
 
 
+def _named_store(arg: str) -> tuple[str, str] | None:
+    """``NAME=STORE`` as (name, store); None for a store path, even one holding "=" (an existing
+    path, or "=" after a "/": ``runs/lr=3e-4/store``, ``s3://b/k=v``)."""
+    name, sep, path = arg.partition("=")
+    if not sep or not name or "/" in name or os.path.exists(arg):
+        return None
+    return name, path
+
+
+def _resume_settings(args, saved: dict) -> dict:
+    """The Loader settings resume-check tries: each flag given, else the state's record of the
+    run (``stream``), else the Loader's default; seq_len and batch_size must come from one."""
+    given = {"seq_len": args.seq_len, "batch_size": args.batch_size, "layout": args.layout,
+             "seed": args.seed, "world_size": args.world_size, "max_segments": args.max_segments}
+    settings = {k: saved.get(k) if v is None else v for k, v in given.items()}
+    if missing := [k for k in ("seq_len", "batch_size") if settings[k] is None]:
+        flags = " and ".join("--" + k.replace("_", "-") for k in missing)
+        raise ConfigError(f"{args.state} does not record {' and '.join(missing)} (a state saved "
+                          f"before loaders recorded their settings): pass {flags} as the run "
+                          "had them")
+    defaults = {"layout": "concat", "seed": 0, "world_size": 1}
+    settings.update({k: v for k, v in defaults.items() if settings[k] is None})
+    workers = saved.get("num_workers")  # as saved: not a difference to report (nothing iterates)
+    settings["num_workers"] = workers if is_int(workers) and workers >= 0 else 0
+    return settings
+
+
 def run_resume_check(args) -> int:
     """Print how a saved state and a loader over these stores differ; 0 if it resumes exactly."""
     from tokenmill.loader import Loader
-    state = json.loads(Path(args.state).read_text(encoding="utf-8"))
-    saved = state.get("stream") or {} if isinstance(state, dict) else {}
+    from tokenmill.resume import read_state
+    state = read_state(args.state)
+    saved = state.get("stream") if isinstance(state.get("stream"), dict) else {}
     source, mixture = _resume_source(args.stores, saved, args.mixture)
-    with Loader(source, seq_len=args.seq_len, batch_size=args.batch_size, layout=args.layout,
-                seed=args.seed, rank=0, world_size=args.world_size, num_workers=0,
-                max_segments=args.max_segments, mixture=mixture) as loader:
+    with Loader(source, rank=0, mixture=mixture, **_resume_settings(args, saved)) as loader:
         diffs = loader.resume_report(state)
         for d in diffs:
             print(f"{'safe' if d.safe else 'NOT SAFE':9} {d.what}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from tokenmill.errors import ConfigError
+from tokenmill.errors import check_int
 from tokenmill.loader import Loader
 
 __all__ = ["AheadOfLoader"]
@@ -20,9 +20,7 @@ class AheadOfLoader:
     the pass ``_begin`` started), so resuming is exact; ``close()`` closes the loader too."""
 
     def __init__(self, loader: Loader, depth: int):
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ConfigError(f"depth must be an int >= 1 (got depth={depth!r})")
-        self.loader, self.depth = loader, depth
+        self.loader, self.depth = loader, check_int("depth", depth, minimum=1)
         self._consumed = loader.consumed_samples
         self._iterating: object | None = None
         self._spans = None  # record_spans: where "device copy" spans go, or None

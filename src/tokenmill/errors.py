@@ -6,8 +6,10 @@ exits 2; the Python API raises them with the same text.
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
+import reprlib
 
 
 # scheme://user:password@ — the password is whatever sits between the first ':' and the '@'
@@ -64,6 +66,17 @@ class ConcurrentWriterError(StoreError):
         self.pid = pid
 
 
+class DiskFullError(StoreError):
+    """Writing a file failed: the disk is full (or a quota or file-size limit is reached); the
+    message names the file and says to free space and run again. ``path``, ``reason``: for a
+    writer that knows better what to advise (a streaming cache names its cache_dir)."""
+
+    def __init__(self, message: str, *, path: str | None = None, reason: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.reason = reason
+
+
 class ConfigError(TokenmillError, ValueError):
     """A setting is out of range or inconsistent; the message shows the bad value."""
 
@@ -91,3 +104,37 @@ def os_error_text(error: OSError) -> str:
     what = error.strerror or str(error) or type(error).__name__
     names = [os.fsdecode(f) for f in (error.filename, error.filename2) if f is not None]
     return f"{' -> '.join(names)}: {what}" if names else what
+
+
+def is_int(value: object) -> bool:
+    """True for an integer of any kind — a Python int or a numpy integer of any width — and
+    False for bool, numpy bool, float, str and the rest.
+
+    is_int(3) and is_int(np.uint32(3)) and not is_int(True) and not is_int(3.0)
+    """
+    # np.integer of every width registers as Integral; np.bool_ does not
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, *, minimum: int, maximum: int | None = None,
+              optional: bool = False, or_else: str | None = None) -> int | None:
+    """``value`` as a plain Python int when it is an integer (numpy of any width too) in
+    [minimum, maximum] — or None when ``optional`` and it is None; else a one-line ConfigError
+    naming ``name`` and showing the value. ``or_else`` only words the message: what else the
+    caller accepts (e.g. "'auto'").
+
+    type(check_int("seq_len", np.int16(64), minimum=1)) is int
+    """
+    if optional and value is None:
+        return None
+    if is_int(value) and value >= minimum and (maximum is None or value <= maximum):
+        return int(value)
+    if maximum is None:
+        bound = f">= {minimum}"
+    elif (maximum + 1) & maximum == 0 and maximum > 1:  # 2**64 - 1 reads as "[0, 2**64)"
+        bound = f"in [{minimum}, 2**{maximum.bit_length()})"
+    else:
+        bound = f"in [{minimum}, {maximum}]"
+    also = "".join(f" or {x}" for x in (or_else, "None" if optional else None) if x)
+    kind = "" if is_int(value) else f" of type {type(value).__name__}"
+    raise ConfigError(f"{name} must be an int {bound}{also} (got {name}={reprlib.repr(value)}{kind})")

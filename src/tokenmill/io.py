@@ -29,7 +29,8 @@ from typing import Any, BinaryIO, Callable, Iterator, Mapping, NamedTuple
 import numpy as np
 import xxhash
 
-from tokenmill.errors import ConfigError, StoreError, TokenmillError, redact  # noqa: F401 (io.redact is public)
+from tokenmill.errors import (ConfigError, DiskFullError, StoreError,  # noqa: F401 (io.redact is public)
+                              TokenmillError, redact)
 
 CHUNK = 8 << 20  # checksums and copies read 8 MiB at a time
 READ_BUFFER = 1 << 20  # buffered readers of inputs: memory stays bounded whatever the unit size
@@ -141,16 +142,17 @@ def _size_of(fs, info: Mapping[str, Any]) -> int:
 
 @contextlib.contextmanager
 def no_space_is_a_store_error(path: str | os.PathLike) -> Iterator[None]:
-    """Turn a full disk (or quota, or file-size limit) while writing ``path`` into a StoreError
+    """Turn a full disk (or quota, or file-size limit) while writing ``path`` into a DiskFullError
     that says so and what to do; other errors pass through."""
     try:
         yield
     except OSError as e:
         if e.errno not in _NO_SPACE:
             raise
-        raise StoreError(f"{path}: cannot write ({os.strerror(e.errno)}): the disk is full; free "
-                         "some space and run the same command again ('tokenmill prepare' resumes "
-                         "where it stopped)") from e
+        reason = os.strerror(e.errno)
+        raise DiskFullError(f"{path}: cannot write ({reason}): the disk is full; free some space "
+                            "and run the same command again (it resumes where it stopped)",
+                            path=str(path), reason=reason) from e
 
 
 def temp_name(path: str | os.PathLike) -> Path:

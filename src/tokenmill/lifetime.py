@@ -68,6 +68,7 @@ class OneIterator:
     _closed = False
     _iterating: Iteration | None = None
     _consumed = 0
+    _pickle_hint = ""  # what else to do instead of pickling it, for the message
 
     def _new_iteration(self) -> Iteration:
         """The token of a new iterator, the earlier one retired."""
@@ -98,6 +99,14 @@ class OneIterator:
         self._closed = True
         self._retire("this loader is closed")
         self._finalizer()
+
+    def __reduce_ex__(self, protocol):
+        """Refused, saying what to do (pickle and copy used to fail on a thread lock): a loader
+        owns open stores, threads and processes; its state is ``state_dict()``."""
+        raise TypeError(f"a {type(self).__name__} cannot be pickled or copied (it holds open "
+                        "stores, threads and worker processes): pickle its state_dict() instead "
+                        "(small, JSON-able), and in the other process make the same loader and "
+                        f"call load_state_dict(state){self._pickle_hint}")
 
     def __enter__(self):
         return self

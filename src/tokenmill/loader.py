@@ -25,7 +25,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from tokenmill import pacing
-from tokenmill.errors import ConfigError, StaleIterator
+from tokenmill.errors import ConfigError, StaleIterator, check_int
 from tokenmill.lifetime import Iteration, OneIterator, Pass
 from tokenmill.mixture import described_phases
 from tokenmill.options import LoaderOptions
@@ -67,6 +67,8 @@ class Loader(OneIterator):
     whose checksum fails the store's background verification.
     """
 
+    _pickle_hint = "; for torch DataLoader workers, pass tokenmill.torch.TokenDataset(loader)"
+
     def __init__(self, source: str | os.PathLike | TokenStore | Mapping, *, seq_len: int,
                  batch_size: int, layout: str = "concat", seed: int = 0,
                  rank: int | None = None, world_size: int | None = None,
@@ -74,11 +76,10 @@ class Loader(OneIterator):
         self.options = opts = LoaderOptions.of(options)
         self.config = LayoutConfig(seq_len=seq_len, layout=layout, seed=seed,
                                    max_segments=opts.max_segments)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or \
-                batch_size < 1:
-            raise ConfigError(f"batch_size must be an int >= 1 (got batch_size={batch_size!r})")
-        self.rank, self.world_size = resolve_rank(rank, world_size)
-        self.batch_size = int(batch_size)
+        self.batch_size = check_int("batch_size", batch_size, minimum=1)
+        self.rank, self.world_size = resolve_rank(
+            check_int("rank", rank, minimum=0, optional=True),
+            check_int("world_size", world_size, minimum=1, optional=True))
         self.epochs, self.worker_type = opts.epochs, opts.worker_type
         self.num_workers = _resolve_workers(num_workers)
         # "auto": inline or one worker ahead, decided by measured times (pacing.Pacer)
@@ -153,6 +154,7 @@ class Loader(OneIterator):
     def explain(self, step: int) -> list[RowOrigin]:
         """Where each row of this rank's batch at ``step`` (of this loader's batch size) came from:
         store, draw, and per document piece the shard, document number and token offset."""
+        step = check_int("step", step, minimum=0)  # -1 explained another step's rows
         return explain_positions(self.plan, self.positions(step * self.global_batch_size))
 
     def _remaining(self) -> int | None:

@@ -29,7 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from tokenmill.errors import ConfigError
+from tokenmill.errors import ConfigError, check_int
 
 # The verdict bands, on data wait % (seeds: "<1% excellent, >20% poor"). A boundary value never
 # earns the better label and never the worse: 1.0% is not excellent, 5.0% is not data-bound,
@@ -121,11 +121,10 @@ class ModelCost:
         ModelCost.from_params(124_000_000, seq_len=1024, n_layers=12, d_model=768).flops_per_token
         == 6 * 124_000_000 + 12 * 12 * 768 * 1024 == 857_246_208
         """
-        for name, v in (("n_params", n_params), ("seq_len", seq_len), ("n_layers", n_layers),
-                        ("d_model", d_model)):
-            if not isinstance(v, (int, np.integer)) or v < 1:
-                raise ConfigError(f"{name} must be an int >= 1 (got {name}={v!r})")
-        flops = 6 * int(n_params) + 12 * int(n_layers) * int(d_model) * int(seq_len)
+        n_params, seq_len, n_layers, d_model = (check_int(name, v, minimum=1) for name, v in (
+            ("n_params", n_params), ("seq_len", seq_len), ("n_layers", n_layers),
+            ("d_model", d_model)))
+        flops = 6 * n_params + 12 * n_layers * d_model * seq_len
         return cls(flops_per_token=flops, peak_flops=peak_flops)
 
 
@@ -181,19 +180,14 @@ class Meter:
                  cost: ModelCost | None = None, report_every: int | None = None,
                  log: Callable[[str], Any] = print, window: int = DEFAULT_WINDOW,
                  clock: Callable[[], float] = time.perf_counter):
-        if tokens_per_batch is not None and (not isinstance(tokens_per_batch, (int, np.integer))
-                                             or tokens_per_batch < 0):
-            raise ConfigError(f"tokens_per_batch must be None or an int >= 0 "
-                              f"(got tokens_per_batch={tokens_per_batch!r})")
+        tokens_per_batch = check_int("tokens_per_batch", tokens_per_batch, minimum=0,
+                                     optional=True)
         if cost is not None and not isinstance(cost, ModelCost):
             raise ConfigError(f"cost must be a ModelCost (got {type(cost).__name__}); "
                               "e.g. ModelCost.from_params(n, seq_len=…, n_layers=…, "
                               "d_model=…)")
-        if report_every is not None and (not isinstance(report_every, int) or report_every < 1):
-            raise ConfigError(f"report_every must be None or an int >= 1 "
-                              f"(got report_every={report_every!r})")
-        if not isinstance(window, int) or window < 1:
-            raise ConfigError(f"window must be an int >= 1 (got window={window!r})")
+        report_every = check_int("report_every", report_every, minimum=1, optional=True)
+        window = check_int("window", window, minimum=1)
         self.source = iterable
         self._it = iter(iterable)
         self._tokens_per_batch = tokens_per_batch

@@ -13,14 +13,16 @@ validates, names and describes them (``described_phases`` is what a checkpoint r
 
 from __future__ import annotations
 
+import ast
+import json
 import math
-import operator
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tokenmill.errors import ConfigError, redact
+from tokenmill.errors import ConfigError, is_int, redact
 
-__all__ = ["Mixture", "described_phases", "mixture_of"]
+__all__ = ["Mixture", "described_phases", "mixture_of", "phases_from_text"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,11 @@ class Mixture:
     def weights(self) -> tuple[float, ...]:
         """The first phase's weights (the only phase of a ``{store: weight}`` mixture)."""
         return self.phases[0][1]
+
+
+def _is_weight(w) -> bool:
+    """A finite real number: int, float or a numpy one (not a bool)."""
+    return isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w)
 
 
 def _name_of(store) -> str:
@@ -52,8 +59,7 @@ def mixture_of(source, mixture: Sequence | None = None) -> tuple[Mixture, list]:
                 raise ConfigError(f"{{name: store}} needs mixture=[(0, {{{s!r}: 1.0, …}}), …] "
                                   f"(got {s!r}: {_name_of(w)!r} without mixture=); a "
                                   "{store: weight} mixture maps stores to numbers")
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) \
-                    or w <= 0:
+            if not _is_weight(w) or w <= 0:
                 raise ConfigError(f"mixture weights must be finite and > 0 (got {w!r} for {s})")
         names = tuple(_name_of(s) for s, _ in items)
         return Mixture(names, ((0, tuple(float(w) for _, w in items)),), False), \
@@ -80,10 +86,12 @@ def _phases(names: tuple[str, ...], mixture) -> tuple[tuple[int, tuple[float, ..
     for i, phase in enumerate(mixture):
         try:
             start, weights = phase
-            start = operator.index(start)
         except (TypeError, ValueError):
-            raise ConfigError(f"phase {i} must be (first sample, {{store: weight}}) "
-                              f"(got {phase!r})") from None
+            start = None
+        if not is_int(start):  # numpy integers too; True, 1.0 and "0" are not
+            raise ConfigError(f"phase {i} must be (first sample: an int, {{store: weight}}) "
+                              f"(got {phase!r})")
+        start = int(start)
         if not isinstance(weights, Mapping):
             raise ConfigError(f"phase {i} (from sample {start:,}): weights must be a "
                               f"{{store: weight}} dict (got {weights!r})")
@@ -91,8 +99,7 @@ def _phases(names: tuple[str, ...], mixture) -> tuple[tuple[int, tuple[float, ..
             if name not in names:
                 raise ConfigError(f"phase {i} (from sample {start:,}) names store {name!r}; "
                                   f"the stores are {list(names)}")
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) \
-                    or w < 0:
+            if not _is_weight(w) or w < 0:
                 raise ConfigError(f"phase {i} (from sample {start:,}): weight of {name!r} must "
                                   f"be finite and >= 0 (got {w!r})")
         if not any(weights.values()):
@@ -104,6 +111,23 @@ def _phases(names: tuple[str, ...], mixture) -> tuple[tuple[int, tuple[float, ..
         raise ConfigError(f"mixture phases must be sorted by first sample, the first at 0, no "
                           f"two at the same sample (got starts {starts})")
     return tuple(phases)
+
+
+def phases_from_text(text: str) -> list:
+    """Phases written on a command line: JSON, or the same as a Python literal (single quotes,
+    tuples); else a one-line ConfigError.
+
+    phases_from_text("[(0, {'web': 1})]") == [(0, {"web": 1})]
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        raise ConfigError(f"--mixture {text!r} is neither JSON nor a Python literal; write the "
+                          "phases as [[0, {\"web\": 0.9, \"code\": 0.1}], [80000, {…}]]") from None
 
 
 def described_phases(mix: Mixture) -> list[list]:

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from tokenmill.errors import ConfigError
+from tokenmill.errors import ConfigError, check_int
 
 __all__ = ["LoaderOptions", "WORKER_TYPES"]
 
@@ -29,13 +29,12 @@ class LoaderOptions:
     # named stores: [(first global sample, {name: weight}), …] phases (docs/mixing.md)
     mixture: Sequence | None = None
 
-    def __post_init__(self):
-        if self.prefetch != "auto" and (isinstance(self.prefetch, bool) or
-                                        not isinstance(self.prefetch, int) or self.prefetch < 1):
-            raise ConfigError(f"prefetch must be an int >= 1 or 'auto' (got {self.prefetch!r})")
-        if self.epochs is not None and (isinstance(self.epochs, bool) or
-                                        not isinstance(self.epochs, int) or self.epochs < 1):
-            raise ConfigError(f"epochs must be None or an int >= 1 (got epochs={self.epochs!r})")
+    def __post_init__(self):  # frozen: the ints are made plain ints once, here
+        if self.prefetch != "auto":
+            object.__setattr__(self, "prefetch", check_int("prefetch", self.prefetch, minimum=1,
+                                                           or_else="'auto'"))
+        object.__setattr__(self, "epochs", check_int("epochs", self.epochs, minimum=1,
+                                                     optional=True))
         if np.dtype(self.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
             raise ConfigError(f"dtype must be 'int32' or 'int64' (got dtype={self.dtype!r})")
         if self.cache_dir is not None:

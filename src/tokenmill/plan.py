@@ -30,7 +30,7 @@ import numpy as np
 import xxhash
 
 from tokenmill import pack, sampler
-from tokenmill.errors import ConfigError, StoreError
+from tokenmill.errors import ConfigError, StoreError, check_int, is_int
 from tokenmill.io import FileId, file_id, redact
 from tokenmill.mixture import Mixture, mixture_of
 from tokenmill.packplan import PACKING, PackedPlan
@@ -61,21 +61,20 @@ class LayoutConfig:
     seed: int = 0
     max_segments: int | None = None  # packed: at most this many documents (segments) a row
 
-    def __post_init__(self):
-        if not _is_int(self.seq_len) or self.seq_len < 1:
-            raise ConfigError(f"seq_len must be an int >= 1 (got seq_len={self.seq_len!r})")
+    def __post_init__(self):  # frozen: the ints are made plain ints once, here
+        object.__setattr__(self, "seq_len", check_int("seq_len", self.seq_len, minimum=1))
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {LAYOUTS} (got layout={self.layout!r})")
-        if not _is_int(self.seed) or self.seed < 0:
-            raise ConfigError(f"seed must be an int >= 0 (got seed={self.seed!r})")
-        if self.max_segments is not None and (not _is_int(self.max_segments) or
-                                              self.max_segments < 1 or self.layout != "packed"):
-            raise ConfigError(f"max_segments must be None or an int >= 1, with layout='packed' "
-                              f"(got max_segments={self.max_segments!r}, layout={self.layout!r})")
+        object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0,
+                                                   maximum=sampler.MAX_SEED))
+        object.__setattr__(self, "max_segments", check_int(
+            "max_segments", self.max_segments, minimum=1, optional=True))
+        if self.max_segments is not None and self.layout != "packed":
+            raise ConfigError(f"max_segments needs layout='packed' (got max_segments="
+                              f"{self.max_segments!r}, layout={self.layout!r})")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+_is_int = is_int  # the one integer check (errors.is_int)
 
 
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable, NoReturn
 
-from tokenmill.errors import ConfigError, TokenmillError, WorkerError
+from tokenmill.errors import TokenmillError, WorkerError, check_int
 
 STDERR_TAIL_BYTES = 4000  # what death() quotes of a dead worker's stderr
 STDERR_TAIL_LINES = 20
@@ -105,9 +105,7 @@ def resolve_workers(workers: int | str, *, name: str = "workers", minimum: int =
     """
     if workers == "auto":
         return usable_cores()
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum} or 'auto' (got {name}={workers!r})")
-    return int(workers)
+    return check_int(name, workers, minimum=minimum, or_else="'auto'")
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from tokenmill.errors import ConfigError, InputError
+from tokenmill.errors import ConfigError, InputError, check_int
 
 REASONS = ("malformed_json", "missing_field", "non_string_field", "invalid_utf8", "empty_document",
            "empty_file", "no_match", "unreadable", "binary_file", "transform_error",
@@ -86,8 +86,7 @@ class SourceConfig:
         if self.txt_mode not in TXT_MODES:
             raise ConfigError(f"txt_mode must be one of {TXT_MODES} (got txt_mode={self.txt_mode!r})")
         check_policy(self.on_error)
-        if isinstance(self.unit_bytes, bool) or not isinstance(self.unit_bytes, int) or self.unit_bytes < 1:
-            raise ConfigError(f"unit_bytes must be an int >= 1 (got unit_bytes={self.unit_bytes!r})")
+        object.__setattr__(self, "unit_bytes", check_int("unit_bytes", self.unit_bytes, minimum=1))
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise ConfigError(f"storage_options must be a mapping or None "
                               f"(got storage_options={self.storage_options!r})")

@@ -14,14 +14,17 @@ three-key form) is checked by its fingerprint alone, as before.
 
 from __future__ import annotations
 
+import json
 import operator
+import os
+from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
 from tokenmill import sampler
 from tokenmill.errors import ConfigError
 from tokenmill.plan import consumed_of
 
-__all__ = ["Difference", "consumed_from", "differences", "explain", "report"]
+__all__ = ["Difference", "consumed_from", "differences", "explain", "read_state", "report"]
 
 UNSAFE_KEYS = ("layout", "seq_len", "seed", "max_segments", "weights")
 LEGACY_PACKING = "whole-store"  # what a packed state without a "packing" record was made by
@@ -39,8 +42,11 @@ def _short(fingerprint: Any) -> str:
     return f"{str(fingerprint)[:12]}…"
 
 
-def _stores(saved: list, now: list) -> list[Difference]:
+def _stores(saved: list, now: list, named: bool) -> list[Difference]:
     saved_names, now_names = [s[0] for s in saved], [s[0] for s in now]
+    if not named and [s[1] for s in saved] == [s[1] for s in now]:  # unnamed: known by path
+        return [Difference(f"store paths {saved_names} → {now_names} (the same stores, moved)",
+                           True)]  # a store moved to another disk reads the same
     if saved_names != now_names:
         return [Difference(f"stores {saved_names} → {now_names}", False)]
     return [Difference(f"store {a[0]!r} was re-prepared: fingerprint {_short(a[1])} → "
@@ -84,7 +90,8 @@ def differences(saved: Mapping[str, Any], now: Mapping[str, Any],
     """Every difference between a saved stream record and a loader's, unsafe ones first."""
     out = []
     if "stores" in saved and saved.get("stores") != now.get("stores"):
-        out += _stores(list(saved["stores"]), list(now.get("stores") or []))
+        named = saved.get("mixture") is not None or now.get("mixture") is not None
+        out += _stores(list(saved["stores"]), list(now.get("stores") or []), named)
     for key in UNSAFE_KEYS + SAFE_KEYS:
         if key in saved and saved.get(key) != now.get(key):
             out.append(Difference(f"{key} {saved.get(key)} → {now.get(key)}", key in SAFE_KEYS))
@@ -138,6 +145,25 @@ def report(state: Mapping[str, Any], stream: Mapping[str, Any],
     except TypeError:
         at = 0  # consumed_of says what is wrong with it
     return differences(saved, stream, at)
+
+
+def read_state(path: str | os.PathLike) -> dict:
+    """A loader state saved as JSON (``json.dump(loader.state_dict(), f)``); a one-line
+    ConfigError when the file is not that (a torch.save or pickle file, other JSON)."""
+    data = Path(path).read_bytes()
+    try:
+        state = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        # torch.save writes a zip ("PK"), pickle starts with its protocol byte 0x80
+        kind = " (a torch.save or pickle file?)" if data[:2] == b"PK" or data[:1] == b"\x80" \
+            else f" ({e})"
+        raise ConfigError(f"{path}: not a JSON loader state{kind}; save the state as JSON, "
+                          "json.dump(loader.state_dict(), open('state.json', 'w')), or convert "
+                          "a .pt: json.dump(torch.load('state.pt'), open('state.json', 'w'))") from None
+    if not isinstance(state, dict):
+        raise ConfigError(f"{path}: holds a JSON {type(state).__name__}, not a loader state (a "
+                          "JSON object: json.dump(loader.state_dict(), f))")
+    return state
 
 
 def consumed_from(state: Mapping[str, Any], stream: Mapping[str, Any], fingerprint: str) -> int:

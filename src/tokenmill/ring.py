@@ -15,6 +15,8 @@ from collections import deque
 
 import numpy as np
 
+from tokenmill.errors import ConfigError, check_int
+
 __all__ = ["Ring", "memory_plan", "refcounts"]
 
 
@@ -93,6 +95,12 @@ def memory_plan(*, seq_len: int, batch_size: int, layout: str = "concat", dtype:
 
     memory_plan(seq_len=2048, batch_size=8, prefetch=2)["batch_ring"] == 2 * 8 * 2048 * 4 * 4
     """
+    seq_len = check_int("seq_len", seq_len, minimum=1)  # -5 printed "-0.00 MiB", exit 0
+    batch_size = check_int("batch_size", batch_size, minimum=1)
+    prefetch = check_int("prefetch", prefetch, minimum=1)
+    num_documents = check_int("num_documents", num_documents, minimum=0)
+    if layout not in ("concat", "packed"):
+        raise ConfigError(f"layout must be 'concat' or 'packed' (got layout={layout!r})")
     per_row = seq_len * np.dtype(dtype).itemsize * 2
     if layout == "packed":
         per_row += seq_len * (4 + 4 + 1)  # segment_ids, positions, loss_mask

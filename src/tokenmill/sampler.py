@@ -19,9 +19,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from tokenmill.errors import ConfigError
+from tokenmill.errors import ConfigError, is_int
 
 __all__ = [
+    "MAX_SEED",
     "Permutation",
     "Phases",
     "Schedule",
@@ -40,6 +41,7 @@ __all__ = [
     "split_epoch",
 ]
 
+MAX_SEED = (1 << 64) - 1  # seeds are hashed as uint64: 2**64 would be seed 0 again, so it is refused
 MAX_N = 1 << 62  # 2h <= 62 bits keeps every Feistel value and its shifts inside uint64
 ROUNDS = 6
 MAX_PERIOD = 1 << 16  # mixture weights are rationalized to a common denominator <= 65536
@@ -153,7 +155,7 @@ def _permute(i: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
 
 
 def _check_n(n: int) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= MAX_N:
+    if not is_int(n) or not 1 <= n <= MAX_N:
         raise ConfigError(f"n must be an int in [1, 2**62] (got {n=!r})")
     return int(n)
 

@@ -365,8 +365,17 @@ def _walk(root: str, passed: list[str]) -> list[str]:
             found += data
             dirs.clear()  # a dataset's folder holds nothing else to read
             continue
+        if _is_store(names):  # prepare's own --out inside its input folder, a stream's cache:
+            passed += [os.path.join(d, n) for n in names]  # tokens, not text (its manifest is
+            dirs.clear()  # no .json input: reading it made an identical rerun "other settings")
+            continue
         found += _taken([os.path.join(d, n) for n in names], False, passed)
     return [os.path.normpath(f) for f in found]
+
+
+def _is_store(names: Sequence[str]) -> bool:
+    """Whether a folder's file names are a tokenmill store's (manifest.json and shard files)."""
+    return "manifest.json" in names and any(n.startswith("shard-") for n in names)
 
 
 def _unreachable(e: BaseException | None) -> bool:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from tokenmill.errors import ConfigError
+from tokenmill.errors import check_int
 
 __all__ = ["Watch", "slowest"]
 
@@ -70,8 +70,7 @@ class Watch:
 
     def __init__(self, iterable: Iterable, *, every: int = 50, trace: str | None = None,
                  log: Callable[[str], Any] | None = print):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ConfigError(f"every must be an int >= 1 (got every={every!r})")
+        every = check_int("every", every, minimum=1)
         self.source, self._it, self.every, self._log = iterable, iter(iterable), every, log
         dist = _dist()
         self.rank = dist.get_rank() if dist else 0

@@ -270,7 +270,7 @@ def test_disk_full_during_prepare_is_a_clear_error_and_a_rerun_finishes(tmp_path
         assert full.returncode != 0, f"{what}: prepare succeeded with a full disk"
         last = full.stderr.strip().splitlines()[-1]
         # a clear error: tokenmill's own, saying the disk is full and how to finish
-        assert last.startswith("tokenmill.errors.StoreError") and "disk is full" in last \
+        assert last.startswith("tokenmill.errors.DiskFullError") and "disk is full" in last \
             and "again" in last, full.stderr
         assert not looks_complete(out), f"{what}: a store that looks complete"
         assert not [f for f in files_under(out) if ".tmp" in f], files_under(out)

@@ -15,8 +15,9 @@ import numpy as np
 
 from tokenmill.bench.contenders import BASELINE, CONTENDERS
 from tokenmill.bench.measure import WORK_FLOATS, calibrate_step, serve_one
-from tokenmill.errors import ConfigError, TokenmillError
+from tokenmill.errors import ConfigError, TokenmillError, check_int
 from tokenmill.procs import Failed, Worker, WorkerDied, usable_cores
+from tokenmill.sampler import MAX_SEED
 from tokenmill.store import TokenStore
 
 RSS_EVERY_S = 0.05
@@ -51,11 +52,10 @@ def run(store: str | os.PathLike, *, seq_len: int = 2048, batch_size: int = 8, s
         progress: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Bench ``names`` (default: all) on ``store``, each in a child process; a JSON-able report."""
     names = select(only=names) if names is not None else list(CONTENDERS)
-    _check(store, seq_len=seq_len, batch_size=batch_size, steps=steps, step_ms=step_ms,
-           seconds=seconds, seed=seed)
+    ints = _check(store, seq_len=seq_len, batch_size=batch_size, steps=steps, step_ms=step_ms,
+                  seconds=seconds, seed=seed)
     passes = calibrate_step(step_ms)  # here, before any loader runs
-    spec = {"store": str(store), "seq_len": seq_len, "batch_size": batch_size, "seed": seed,
-            "seconds": seconds, "steps": steps, "passes": passes}
+    spec = {"store": str(store), **ints, "seconds": seconds, "passes": passes}
     timeout = 120 + 2 * seconds + 4 * steps * step_ms / 1e3
     load_before, results = os.getloadavg(), []
     for name in names:
@@ -69,19 +69,20 @@ def run(store: str | os.PathLike, *, seq_len: int = 2048, batch_size: int = 8, s
             "results": results, "notes": report_notes(results, passes, step_ms)}
 
 
-def _check(store, **settings) -> None:
-    for key in ("seq_len", "batch_size", "steps", "seed"):
-        low = 0 if key == "seed" else 1
-        if not isinstance(settings[key], int) or settings[key] < low:
-            raise ConfigError(f"{key} must be an int >= {low} (got {key}={settings[key]!r})")
+def _check(store, **settings) -> dict[str, int]:
+    """The int settings as plain ints (numpy ones too), after checking every setting."""
+    ints = {key: check_int(key, settings[key], minimum=1)
+            for key in ("seq_len", "batch_size", "steps")}
+    ints["seed"] = check_int("seed", settings["seed"], minimum=0, maximum=MAX_SEED)
     for key in ("step_ms", "seconds"):
         if not isinstance(settings[key], (int, float)) or not settings[key] > 0:
             raise ConfigError(f"{key} must be a number > 0 (got {key}={settings[key]!r})")
-    need = (settings["batch_size"] + 1) * settings["seq_len"] + 1
+    need = (ints["batch_size"] + 1) * ints["seq_len"] + 1
     if (have := TokenStore(store).num_tokens) < need:
         raise ConfigError(f"{store}: {have:,} tokens is too few for batch_size × seq_len "
                           f"(need at least {need:,}); lower --batch-size or --seq-len")
     _psutil()
+    return ints
 
 
 def _psutil():

@@ -26,8 +26,7 @@ import xxhash
 from tokenmill.errors import ConfigError
 from tokenmill.io import is_url
 from tokenmill.records import Skip
-
-SIDES = ("train", "val")
+from tokenmill.store.format import SIDES, split_paths  # the two stores' places: the store knows
 HELD_OUT = "held_out"
 
 
@@ -101,13 +100,6 @@ def keep_side(texts: list[str], skips: list[tuple[int, Skip]], holdout: tuple[st
             else:
                 new_skips.append((k, Skip(path, "document", HELD_OUT, f"on the {other} side")))
     return kept, new_skips
-
-
-def split_paths(out: str | os.PathLike) -> dict[str, str]:
-    """Where the two stores of a split go: ``<out>/train`` and ``<out>/val``."""
-    out = os.fspath(out)
-    join = posixpath.join if is_url(out) else os.path.join
-    return {side: join(out, side) for side in SIDES}
 
 
 def check_split_out(out: str | os.PathLike) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 import xxhash
 
 from tokenmill import sources
-from tokenmill.errors import ConfigError
+from tokenmill.errors import check_int
 from tokenmill.io import CHUNK, filesystem, is_url, redact
 from tokenmill.prepare.split import check_holdout, keep_side
 from tokenmill.prepare.transform import transform_identity, transform_spec, transformed
@@ -58,10 +58,8 @@ class PrepareConfig:
     split: str | None = None  # the split of a folder holding several (tokenmill.splits)
 
     def __post_init__(self):
-        for name in ("shard_tokens", "unit_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an int >= 1 (got {name}={value!r})")
+        for name in ("shard_tokens", "unit_bytes"):  # frozen: made plain ints once, here
+            object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=1))
         if self.transform is not None:  # frozen: normalised once, here
             object.__setattr__(self, "transform", transform_spec(self.transform))
         object.__setattr__(self, "holdout", check_holdout(self.holdout))

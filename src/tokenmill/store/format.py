@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import re
 import struct
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ SRC_MAGIC = b"TMSRC\x00\x00\x00"
 SRC_VERSION = 1
 SRC_HEADER = struct.Struct("<8sQQ")  # magic, version, N: 24 bytes
 SOURCES = "sources"  # manifest: the input files a .src's file ids index
+SIDES = ("train", "val")  # prepare --val-fraction writes two stores, OUT/train and OUT/val
 REQUIRED = ("format", "version", "tokenizer", "dtype", "num_documents", "num_tokens", "shards")
 SHARD_FIELDS = ("name", "num_documents", "num_tokens", "bin_bytes", "idx_bytes", "bin_xxh3",
                 "idx_xxh3")
@@ -365,6 +367,8 @@ def read_manifest(path: str | os.PathLike, *, storage_options: dict | None = Non
     if not path.is_dir():
         raise StoreError(f"{path}: no such store directory")
     if not mpath.exists():
+        if any((Path(p) / MANIFEST).exists() for p in split_paths(path).values()):
+            raise split_folder_error(path)
         partial = any(path.glob("shard-*")) or (path / ".progress").exists()
         raise StoreError(f"{mpath}: missing — {missing_manifest_hint(partial)}")
     return parse_manifest(mpath.read_bytes(), str(mpath))
@@ -374,9 +378,27 @@ def _read_remote_manifest(url: str, storage_options) -> dict:
     where = redact(f"{url}/{MANIFEST}")
     data = read_bytes(f"{url}/{MANIFEST}", storage_options, one_request=True)
     if data is None:
+        if any(read_bytes(f"{p}/{MANIFEST}", storage_options) is not None
+               for p in split_paths(url).values()):
+            raise split_folder_error(url)
         partial = any(n.startswith("shard-") for n in list_sizes(url, storage_options))
         raise StoreError(f"{where}: missing — {missing_manifest_hint(partial)}")
     return parse_manifest(data, where)
+
+
+def split_paths(out: str | os.PathLike) -> dict[str, str]:
+    """Where the two stores of a split go: ``<out>/train`` and ``<out>/val``."""
+    out = os.fspath(out)
+    join = posixpath.join if is_url(out) else os.path.join
+    return {side: join(out, side) for side in SIDES}
+
+
+def split_folder_error(path: str | os.PathLike) -> StoreError:
+    """The error for a split's folder given where one store is expected: name both sides."""
+    paths = split_paths(path)
+    return StoreError(f"{redact(os.fspath(path))}: holds the two stores of a --val-fraction "
+                      f"split, not one store; use {redact(paths['train'])} or "
+                      f"{redact(paths['val'])}")
 
 
 def missing_manifest_hint(partial: bool) -> str:

@@ -29,7 +29,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from tokenmill.errors import ConfigError, StoreError
+from tokenmill.errors import ConfigError, StoreError, check_int
 from tokenmill.io import ChecksumWatch, file_id, is_url, map_file, redact
 from tokenmill.sampler import distinct
 from tokenmill.store.cache import CacheFullError, RemoteShards
@@ -66,12 +66,12 @@ def check_sizes(path: str | os.PathLike, manifest: dict) -> array:
     return ids
 
 
-def check_options(verify: str, max_open: int) -> None:
-    """Raise ConfigError for a ``verify`` mode or ``max_open`` TokenStore does not take."""
+def check_options(verify: str, max_open: int) -> int:
+    """``max_open`` as an int; ConfigError for a ``verify`` mode or ``max_open`` TokenStore does
+    not take."""
     if verify not in VERIFY_MODES:
         raise ConfigError(f"verify must be one of {VERIFY_MODES} (got {verify=})")
-    if isinstance(max_open, bool) or not isinstance(max_open, int) or max_open < 2:
-        raise ConfigError(f"max_open must be an int >= 2 (got {max_open=})")
+    return check_int("max_open", max_open, minimum=2)
 
 
 class TokenStore:
@@ -89,7 +89,7 @@ class TokenStore:
     def __init__(self, path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
                  cache_bytes: int | str | None = None, storage_options: dict | None = None,
                  verify: str = "background", max_open: int = MAX_OPEN):
-        check_options(verify, max_open)
+        max_open = check_options(verify, max_open)
         self._remote: RemoteShards | None = None
         self._ids: array | None = None  # local: identities of the shard files seen at open
         if is_url(path):

@@ -18,15 +18,16 @@ Origins are recorded as prepare records them (each shard's ``.src``, the manifes
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from tokenmill import sources
-from tokenmill.errors import ConcurrentWriterError
+from tokenmill.errors import ConcurrentWriterError, DiskFullError
 from tokenmill.prepare.run import input_check, origins_of
 from tokenmill.prepare.tokenize import engine_record, input_name
 from tokenmill.store.format import MANIFEST, SOURCES, Origins
@@ -59,7 +60,8 @@ class CacheWriter:
         """Unit u's documents from document d0 on (``origins``: theirs, from ``self.origins``);
         those already committed are dropped."""
         t0 = time.perf_counter()
-        self.writer.add(u, d0, tokens, lengths, skips, digest, origins)
+        with cache_disk(self.plan):
+            self.writer.add(u, d0, tokens, lengths, skips, digest, origins)
         self.stats["write"] += time.perf_counter() - t0
 
     def finish(self) -> None:
@@ -68,12 +70,26 @@ class CacheWriter:
         extra = {SOURCES: [input_name(f) for f in self.files]}
         if self.engine is not None:
             extra["tokenizer_engine"] = self.engine
-        self.writer.finish(self.identity, self.plan.settings, extra)
+        with cache_disk(self.plan):
+            self.writer.finish(self.identity, self.plan.settings, extra)
         self.stats["write"] += time.perf_counter() - t0
 
     def abort(self) -> None:
         """Drop the open shard (committed ones stay for the next writer) and release the lock."""
         self.writer.abort()
+
+
+@contextlib.contextmanager
+def cache_disk(plan: StreamPlan) -> Iterator[None]:
+    """A full disk while writing the cache store: say so of ``cache_dir`` (not of prepare)."""
+    try:
+        yield
+    except DiskFullError as e:
+        raise DiskFullError(
+            f"{e.path}: cannot write ({e.reason}): the disk holding cache_dir "
+            f"{plan.store_dir.parent} is full; free some space or pass a cache_dir on a disk "
+            "with room, then run again (the cache store keeps its finished shards, and "
+            "load_state_dict resumes the stream)", path=e.path, reason=e.reason) from e
 
 
 def store_complete(plan: StreamPlan) -> bool:
@@ -94,7 +110,8 @@ def claim_writer(plan: StreamPlan, tokenizer: Tokenizer, stats: dict) -> CacheWr
     try:
         # committed shards whose inputs' bytes changed since (whatever size and time say) are redone
         check = input_check(lambda: list(plan.units), plan.storage_options, None)
-        writer = StoreWriter(plan.store_dir, writer_config(plan), check=check)
+        with cache_disk(plan):
+            writer = StoreWriter(plan.store_dir, writer_config(plan), check=check)
     except ConcurrentWriterError:
         return None
     if writer.manifest is not None:  # finished meanwhile

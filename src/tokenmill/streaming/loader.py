@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import os
 import weakref
+from dataclasses import asdict
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from tokenmill import pack
-from tokenmill.errors import ConfigError, StaleIterator
+from tokenmill.errors import ConfigError, StaleIterator, check_int, is_int
 from tokenmill.lifetime import Iteration, OneIterator
 from tokenmill.plan import MAX_CONSUMED, LayoutConfig, resolve_rank
 from tokenmill.prepare.pool import UNITS_PER_WORKER
@@ -57,19 +58,18 @@ def open_stream(inputs: str | os.PathLike | Sequence, *, tokenizer: str = "bytes
     given = {"shuffle_buffer": shuffle_buffer, "pack_window": pack_window}
     order = OrderSettings(seq_len=seq_len, seed=seed, layout=layout, max_segments=max_segments,
                           **{k: v for k, v in given.items() if v is not None})
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
-            or batch_size < 1:
-        raise ConfigError(f"batch_size must be an int >= 1 (got batch_size={batch_size!r})")
+    batch_size = check_int("batch_size", batch_size, minimum=1)
     if cache_dir is None:
         raise ConfigError("cache_dir is required: the first pass is cached there as a store")
-    rank, world_size = resolve_rank(rank, world_size)
+    rank, world_size = resolve_rank(check_int("rank", rank, minimum=0, optional=True),
+                                    check_int("world_size", world_size, minimum=1, optional=True))
     workers = resolve_stream_workers(num_workers)
     config = PrepareConfig(tokenizer=os.fspath(tokenizer), **options)
     tok = load_stream_tokenizer(config)
     plan = plan_stream(inputs, config, tok, cache_dir=cache_dir, order=order,
                        num_workers=workers, storage_options=storage_options)
     return StreamLoader(plan, tok, BatchSlice(rank=rank, world_size=world_size,
-                                              batch_size=int(batch_size)))
+                                              batch_size=batch_size))
 
 
 class StreamLoader(OneIterator):
@@ -207,7 +207,7 @@ class StreamLoader(OneIterator):
                       "check": cursor_check(self.fingerprint, self._hint)}
         return {"version": STATE_VERSION, "mode": "stream", "fingerprint": self.fingerprint,
                 "consumed_samples": int(self._consumed), "pass_samples": self._pass_samples,
-                "resume_from": resume}
+                "resume_from": resume, "settings": asdict(self._plan.order_settings)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state``; refuses one of other inputs, tokenizer, options, seq_len, seed
@@ -236,11 +236,11 @@ def check_state(state: Mapping[str, Any],
                           f"mode 'stream'): {state!r}")
     if state.get("fingerprint") != plan.fingerprint:
         raise ConfigError(f"loader state fingerprint {state.get('fingerprint')!r} does not "
-                          f"match this loader's {plan.fingerprint!r}: the inputs (or their "
-                          "sizes/times), tokenizer, options, seq_len, seed or shuffle_buffer "
-                          "differ")
+                          f"match this loader's {plan.fingerprint!r}: " + what_differs(
+                              state.get("settings"), plan.order_settings,
+                              "the inputs (or their sizes/times), tokenizer or options"))
     k, n = state.get("consumed_samples"), state.get("pass_samples")
-    if not (_is_int(k) and 0 <= k <= MAX_CONSUMED) or not (n is None or _is_int(n) and n > 0):
+    if not (is_int(k) and 0 <= k <= MAX_CONSUMED) or not (n is None or is_int(n) and n > 0):
         raise ConfigError(f"consumed_samples must be an int in [0, 2**63) and pass_samples None "
                           f"or an int > 0 (got consumed_samples={k!r}, pass_samples={n!r})")
     if n is not None and store_complete(plan):
@@ -252,6 +252,22 @@ def check_state(state: Mapping[str, Any],
     return int(k), None if n is None else int(n), check_cursor(state.get("resume_from"), plan)
 
 
+def what_differs(saved: Any, order: OrderSettings, others: str) -> str:
+    """The end of a fingerprint message: the settings that differ from a state's record of them
+    (``settings``: seq_len, seed, shuffle_buffer, layout, max_segments, pack_window), the saved
+    run's value first; when none does, ``others`` (what else the fingerprint holds) differ."""
+    now = asdict(order)
+    if order.layout != "packed":  # concat: max_segments and pack_window take no part
+        now = {k: v for k, v in now.items() if k not in ("max_segments", "pack_window")}
+    if not isinstance(saved, Mapping):  # a state saved before the record: name every part
+        return f"{others}, or {', '.join(now)} differ"
+    diffs = [f"{k} {saved.get(k)!r} → {v!r}" for k, v in now.items() if saved.get(k) != v]
+    if diffs:
+        return (f"{', '.join(diffs)} (the saved run's → this loader's); make the loader with "
+                "the saved run's settings to resume it")
+    return f"{others} differ ({', '.join(now)} agree)"
+
+
 def check_cursor(resume: Any, plan: StreamPlan) -> Cursor | None:
     """The state's resume_from as a Cursor: None when absent or unchecked (a state of an earlier
     version: reading starts earlier, never elsewhere); a ConfigError when it contradicts itself."""
@@ -259,7 +275,7 @@ def check_cursor(resume: Any, plan: StreamPlan) -> Cursor | None:
         return None  # no check: nothing ties it to this pass, so it is not even range-checked
     fields = CURSOR_FIELDS if plan.packed else CURSOR_FIELDS[:3]
     values = tuple(resume.get(f) for f in fields)
-    if (not all(_is_int(x) and x >= 0 for x in values) or values[0] > len(plan.units)):
+    if (not all(is_int(x) and x >= 0 for x in values) or values[0] > len(plan.units)):
         raise ConfigError(f"resume_from must hold ints >= 0 {fields} with unit <= "
                           f"{len(plan.units)} (got resume_from={resume!r})")
     cursor = Cursor(*map(int, values))
@@ -280,6 +296,3 @@ def pass_samples_of(plan: StreamPlan) -> int:
     finally:
         store.close()
 
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)

@@ -33,11 +33,11 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from tokenmill import sampler
-from tokenmill.errors import ConfigError, StaleIterator
+from tokenmill.errors import ConfigError, StaleIterator, check_int, is_int
 from tokenmill.mixture import Mixture, described_phases, mixture_of
 from tokenmill.plan import MAX_CONSUMED, resolve_rank
 from tokenmill.lifetime import Iteration, OneIterator
-from tokenmill.streaming.loader import StreamLoader, open_stream
+from tokenmill.streaming.loader import StreamLoader, open_stream, what_differs
 from tokenmill.streaming.plan import STATE_VERSION, digest, resolve_stream_workers
 from tokenmill.streaming.producer import READY_BATCHES
 from tokenmill.streaming.rows import new_batch
@@ -65,10 +65,9 @@ def open_mixture(inputs: Mapping, *, mixture: Sequence | None, batch_size: int,
     """A MixedStreamLoader: each source a StreamLoader of batch size 1 (the other keywords are
     ``open_stream``'s); the workers are shared among the sources (at least one each)."""
     mix, items = mixture_of(inputs, mixture)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
-            or batch_size < 1:
-        raise ConfigError(f"batch_size must be an int >= 1 (got batch_size={batch_size!r})")
-    rank, world_size = resolve_rank(rank, world_size)
+    batch_size = check_int("batch_size", batch_size, minimum=1)
+    rank, world_size = resolve_rank(check_int("rank", rank, minimum=0, optional=True),
+                                    check_int("world_size", world_size, minimum=1, optional=True))
     workers = resolve_stream_workers(num_workers)
     each = max(1, workers // len(items)) if workers else 0
     sources: list[StreamLoader] = []
@@ -87,7 +86,7 @@ def open_mixture(inputs: Mapping, *, mixture: Sequence | None, batch_size: int,
             s.close()
         raise
     return MixedStreamLoader(mix, sources, rank=rank, world_size=world_size,
-                             batch_size=int(batch_size))
+                             batch_size=batch_size)
 
 
 def draws_before(phases: sampler.Phases, k: int) -> np.ndarray:
@@ -237,12 +236,16 @@ def check_mixed_state(state: Any, loader: MixedStreamLoader) -> int:
         raise ConfigError(f"unsupported stream mixture state (want version {STATE_VERSION}, "
                           f"mode {MIX_MODE!r}): {state!r}")
     if state.get("fingerprint") != loader.fingerprint:
+        saved = state.get("sources")  # every source's state records the same settings
+        first = next(iter(saved.values()), None) if isinstance(saved, Mapping) else None
         raise ConfigError(f"loader state fingerprint {state.get('fingerprint')!r} does not match "
-                          f"this loader's {loader.fingerprint!r}: the sources (names, inputs or "
-                          "their sizes/times), tokenizer, options, seq_len, layout, seed, "
-                          "shuffle_buffer or fixed weights differ")
+                          f"this loader's {loader.fingerprint!r}: " + what_differs(
+                              first.get("settings") if isinstance(first, Mapping) else None,
+                              loader.sources[0].plan.order_settings,
+                              "the sources (names, inputs or their sizes/times), tokenizer, "
+                              "options or fixed weights"))
     k = state.get("consumed_samples")
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= MAX_CONSUMED:
+    if not is_int(k) or not 0 <= k <= MAX_CONSUMED:
         raise ConfigError(f"consumed_samples must be an int in [0, 2**63) (got {k!r})")
     check_past_phases(state.get("mixture"), described_phases(loader.mixture), int(k))
     sources = state.get("sources")

@@ -27,11 +27,12 @@ import numpy as np
 import xxhash
 
 from tokenmill import pack, sources
-from tokenmill.errors import ConfigError
+from tokenmill.errors import ConfigError, check_int
 from tokenmill.io import filesystem, is_url
 from tokenmill.prepare.run import file_sizes
 from tokenmill.prepare.tokenize import PrepareConfig, tokenizer_of
 from tokenmill.procs import resolve_workers, usable_cores
+from tokenmill.sampler import MAX_SEED
 from tokenmill.tokenizer import Tokenizer, token_dtype
 
 STATE_VERSION = 1
@@ -64,22 +65,19 @@ class OrderSettings:
     max_segments: int | None = None  # packed: at most this many documents a row
     pack_window: int = DEFAULT_PACK_WINDOW  # packed: rows' worth of tokens packed together
 
-    def __post_init__(self):
+    def __post_init__(self):  # frozen: the ints are made plain ints once, here
         for name in ("seq_len", "shuffle_buffer", "pack_window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ConfigError(f"{name} must be an int >= 1 (got {name}={value!r})")
+            object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=1))
         if self.layout not in STREAM_LAYOUTS:
             raise ConfigError(f"layout must be one of {STREAM_LAYOUTS} "
                               f"(got layout={self.layout!r})")
-        m = self.max_segments
-        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1
-                              or self.layout != "packed"):
-            raise ConfigError(f"max_segments must be None or an int >= 1, with layout='packed' "
-                              f"(got max_segments={m!r}, layout={self.layout!r})")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
-                or self.seed < 0:
-            raise ConfigError(f"seed must be an int >= 0 (got seed={self.seed!r})")
+        object.__setattr__(self, "max_segments", check_int(
+            "max_segments", self.max_segments, minimum=1, optional=True))
+        if self.max_segments is not None and self.layout != "packed":
+            raise ConfigError(f"max_segments needs layout='packed' (got max_segments="
+                              f"{self.max_segments!r}, layout={self.layout!r})")
+        object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0,
+                                                   maximum=MAX_SEED))
 
 
 @dataclass(frozen=True)

@@ -205,6 +205,17 @@ class Producer:
     def _put(self, item: StepReady | StreamFailed) -> None:
         self.out.put(item, self.stop)
 
+    def _check_pass(self, n: int | None) -> None:
+        """Refuse a global batch larger than the pass (it would hold a sample twice), as the
+        store Loader refuses one larger than an epoch; checked once the pass's length is known,
+        before a batch is made (such a batch is the first one, and it needs the length)."""
+        if n is not None and n < self.part.global_batch:
+            what = "packed rows" if self.plan.packed else "windows"
+            raise ConfigError(f"batch_size × world_size = {self.part.global_batch:,} samples is "
+                              f"more than one pass over the text holds ({n:,} {what} of seq_len "
+                              f"{self.plan.seq_len}): a batch would hold the same sample twice; "
+                              "lower batch_size or seq_len, or give more text")
+
     def _produce(self) -> None:
         k, claimed = self.start.consumed, self.start.pass_samples
         complete = store_complete(self.plan)
@@ -290,6 +301,7 @@ class Producer:
 
     def _assemble(self, source: WindowSource, windows: np.ndarray, k: int, n: int | None) -> dict:
         """This rank's rows of the global batch at k; rows past the pass come from the store."""
+        self._check_pass(n)
         B = self.part.batch_size
         out = new_batch(self.plan, B)
         q = self.part.rank * B + np.arange(B)
@@ -303,6 +315,7 @@ class Producer:
 
     def _later_epochs(self, k: int, n: int, *, measured: bool) -> None:
         """Queue the store's batches from global position k on (k at or past the pass's end)."""
+        self._check_pass(n)
         epochs = self._store_epochs(n, measured=measured)
         while True:
             if self.stop.is_set():
