@@ -46,7 +46,7 @@ import os
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -55,8 +55,9 @@ from tokenmill.decompress import StreamPayloads
 from tokenmill.errors import ConfigError, InputError, TokenmillError
 from tokenmill.io import file_size, filesystem, is_url, read_bytes
 from tokenmill.records import (COMPRESSED, EXTENSIONS, FORMATS, LONG_DOCUMENT, REASONS, Doc,
-                               LineCount, Skip, SourceConfig, Unit, check_policy, describe,
-                               format_of, format_or_none, io_errors, problem, web_path)
+                               LineCount, SameInput, Skip, SourceConfig, Unit, check_policy,
+                               describe, format_of, format_or_none, io_errors, planned_id,
+                               problem, web_path)
 
 __all__ = ["DATASET_STATE", "Doc", "FORMATS", "Ignored", "Listing", "REASONS", "Skip", "SourceConfig",
            "Unit", "dataset_files", "format_of", "list_files", "list_inputs", "needs_payload",
@@ -150,8 +151,13 @@ def list_files(inputs: str | os.PathLike | Sequence[str | os.PathLike], *, on_er
 
 def plan_units(files: Sequence[str], config: SourceConfig) -> list[Unit]:
     """Cut files into units, deterministically; any unit can be read on its own, in any process
-    (a compressed stream's unit best with its payload, see unit_payloads)."""
-    return [unit for path in files for unit in _plan_file(path, format_of(path), config)]
+    (a compressed stream's unit best with its payload, see unit_payloads). Each unit carries its
+    file's identity, taken before planning it: reading checks it (``records.SameInput``)."""
+    units = []
+    for path in files:
+        ident = planned_id(path, config.storage_options)
+        units += [replace(u, ident=ident) for u in _plan_file(path, format_of(path), config)]
+    return units
 
 
 def needs_payload(unit: Unit) -> bool:
@@ -180,6 +186,12 @@ def read_unit(unit: Unit, config: SourceConfig, payload: bytes | None = None,
         raise TypeError(f"{unit}: a payload is only for a compressed stream's unit")
     report = partial(problem, unit.path, config.on_error)
     fmt = format_of(unit.path)
+    with SameInput(unit, config.storage_options):  # the file planned, or an error naming it
+        yield from _unit_docs(unit, fmt, config, report, payload, count)
+
+
+def _unit_docs(unit: Unit, fmt: str, config: SourceConfig, report, payload: bytes | None,
+               count: LineCount | None) -> Iterator[Doc | Skip]:
     try:
         if fmt in _COLUMNAR:
             docs = _COLUMNAR[fmt][1](unit.path, unit.start, unit.stop, config, report)
