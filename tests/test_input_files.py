@@ -4,10 +4,17 @@ Real prepare processes (the CLI, or a script file as a user writes one) on real 
 stopped at a known record by a transform that waits there (it touches ``paused`` and waits for
 ``go``), the input is changed, and the run goes on: it must fail naming the file, and write no
 manifest — never a store holding part of one version and part of another.
+
+Not regular files: a FIFO, a socket or a device is never opened as an input (a FIFO blocks its
+reader for ever); an output path holding a link, a FIFO, a device or a folder is refused, never
+replaced nor written through. Every such run has a timeout: a hang fails the test.
 """
 
 import json
 import os
+import re
+import socket
+import stat
 import subprocess
 import sys
 import time
@@ -15,7 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import docs_of
+from conftest import docs_of, write_jsonl
+from tokenmill.errors import ConfigError
+from tokenmill.io import atomic_write_bytes
 from tokenmill.prepare import prepare
 
 LINE = 100  # every record's line is exactly this long: record i starts at byte i * LINE
@@ -174,3 +183,116 @@ def test_a_resume_after_a_size_change_is_refused_until_overwrite(site):
     assert over.returncode == 0, over.stderr
     assert [bytes(d[:-1]) for d in docs_of(site / "store")] == [
         json.loads(line)["text"].encode() for line in records(720).splitlines()]
+
+
+# ---- files that are not regular files ----------------------------------------------------------
+
+def tokenmill(*args, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m tokenmill ARGS`` in ``cwd``; a hang past ``timeout`` fails the test."""
+    return subprocess.run([sys.executable, "-m", "tokenmill", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_a_fifo_or_socket_in_an_input_folder_is_passed_over_and_said(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "a.jsonl", ["one", "two"])
+    write_jsonl(tmp_path / "elsewhere.jsonl", ["three"])
+    (data / "b.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")  # a link to a file is read
+    os.mkfifo(data / "pipe.jsonl")  # opening it would wait for a writer for ever
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(data / "sock.txt"))
+        r = tokenmill("prepare", "data", "--out", "store", "--workers", "1", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert ("note: ignored 2 files: 1 named pipe (FIFO), 1 socket (e.g. data/pipe.jsonl, "
+            "data/sock.txt); prepare reads regular files of .txt") in r.stderr
+    assert docs_of(tmp_path / "store") == [[*t.encode(), 256] for t in ("one", "two", "three")]
+
+
+def test_a_fifo_named_as_an_input_is_refused_in_one_line(tmp_path):
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    r = tokenmill("prepare", "pipe.jsonl", "--out", "store", cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        "tokenmill prepare: error: pipe.jsonl: is a named pipe (FIFO), not a regular file; "
+        "tokenmill reads files: write its data to a file and name that"]
+
+
+@pytest.fixture
+def store(tmp_path) -> Path:
+    """A small store to export."""
+    write_jsonl(tmp_path / "x.jsonl", ["hello", "world"])
+    prepare(str(tmp_path / "x.jsonl"), out=tmp_path / "store", workers=1, progress=False)
+    return tmp_path / "store"
+
+
+REFUSED = "not a regular file; outputs are written to a temporary file renamed into place, " \
+          "which would replace it: name a regular file (for a link, its target)"
+
+
+def test_export_to_a_link_writes_nothing_and_leaves_link_and_target_alone(store, tmp_path):
+    (tmp_path / "target.bin").write_bytes(b"keep")
+    (tmp_path / "link.bin").symlink_to("target.bin")
+    r = tokenmill("export", store, "--format", "nanogpt", "--out", "link.bin", cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        f"tokenmill export: error: link.bin: is a symbolic link to target.bin, {REFUSED}"]
+    assert os.readlink(tmp_path / "link.bin") == "target.bin"
+    assert (tmp_path / "target.bin").read_bytes() == b"keep"
+    assert not list(tmp_path.glob(".link.bin.tmp-*"))
+
+
+def test_export_to_a_dangling_link_creates_nothing(store, tmp_path):
+    (tmp_path / "link.bin").symlink_to("missing/target.bin")
+    r = tokenmill("export", store, "--format", "jsonl", "--out", "link.bin", cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        f"tokenmill export: error: link.bin: is a symbolic link to missing/target.bin, {REFUSED}"]
+    assert os.readlink(tmp_path / "link.bin") == "missing/target.bin"
+    assert not (tmp_path / "missing").exists()
+
+
+def test_export_to_a_fifo_is_refused_and_the_fifo_stays(store, tmp_path):
+    os.mkfifo(tmp_path / "out.bin")
+    r = tokenmill("export", store, "--format", "nanogpt", "--out", "out.bin", cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        f"tokenmill export: error: out.bin: is a named pipe (FIFO), {REFUSED}"]
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "out.bin").st_mode)
+
+
+def test_every_atomic_writer_refuses_what_is_not_a_regular_file(tmp_path):
+    """The one rule (io.atomic_output), for every writer: inspect --plot, bench --json/--plot,
+    Watch(trace=), the demo, manifests and progress records. A regular file is replaced."""
+    (tmp_path / "target").write_bytes(b"keep")
+    (tmp_path / "link").symlink_to("target")
+    (tmp_path / "dangling").symlink_to("nowhere")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "folder").mkdir()
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(tmp_path / "sock"))
+        for name, what in [("link", "a symbolic link to target"),
+                           ("dangling", "a symbolic link to nowhere"),
+                           ("fifo", "a named pipe (FIFO)"), ("folder", "a directory"),
+                           ("sock", "a socket")]:
+            with pytest.raises(ConfigError, match=rf"^{tmp_path}/{name}: is {re.escape(what)}, "
+                                                  "not a regular file"):
+                atomic_write_bytes(tmp_path / name, b"new")
+    assert os.readlink(tmp_path / "link") == "target" and not (tmp_path / "nowhere").exists()
+    assert (tmp_path / "target").read_bytes() == b"keep"
+    atomic_write_bytes(tmp_path / "target", b"new")
+    assert (tmp_path / "target").read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "dangling", "fifo", "folder", "link", "sock", "target"]
+
+
+def test_inspect_plot_to_a_link_is_refused(store, tmp_path):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "target.png").write_bytes(b"keep")
+    (tmp_path / "plot.png").symlink_to("target.png")
+    r = tokenmill("inspect", store, "--plot", "plot.png", cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        f"tokenmill inspect: error: plot.png: is a symbolic link to target.png, {REFUSED}"]
+    assert (tmp_path / "target.png").read_bytes() == b"keep"

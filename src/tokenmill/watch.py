@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.errors import ConfigError
+from tokenmill.io import atomic_write_bytes
 
 __all__ = ["Watch", "slowest"]
 
@@ -160,7 +161,7 @@ class Watch:
             meta += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": t,
                       "args": {"name": names.get(t, f"loader worker {t - 1}")}}
                      for t in sorted({*self._threads.values(), 1})]
-            self.trace.write_text(json.dumps({"traceEvents": [*meta, *self.events]}))
+            atomic_write_bytes(self.trace, json.dumps({"traceEvents": [*meta, *self.events]}).encode())
 
     def __enter__(self) -> Watch:
         return self

@@ -80,8 +80,8 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
                                   storage_options=storage_options, split=config.split)
     files, list_skips = listing.files, listing.skips
     if listing.ignored:
-        report(f"note: {listing.ignored}; prepare reads .txt, .jsonl[.gz|.zst], .json[.gz|.zst], "
-               ".csv, .tsv, .parquet, .arrow", progress)
+        report(f"note: {listing.ignored}; prepare reads regular files of .txt, .jsonl[.gz|.zst], "
+               ".json[.gz|.zst], .csv, .tsv, .parquet, .arrow", progress)
     sizes = file_sizes(files, storage_options)
     settings = config.settings(inputs, files, sizes)
     if "spec" in tok.identity():  # a name: a resume must find the very same file behind it
