@@ -118,11 +118,11 @@ def truncated(path: Path) -> None:
     os.truncate(path, 720 * LINE + 37)
 
 
-def script(workers: int) -> list[str]:
-    """prepare("x.jsonl", …) run by a script file: small units, the pausing transform."""
+def script(workers: int, inputs: str = "x.jsonl") -> list[str]:
+    """prepare(inputs, …) run by a script file: small units, the pausing transform."""
     options = {"out": "store", "workers": workers, "unit_bytes": UNIT, "shard_tokens": 2000,
                "transform": "hook:pause"}
-    return [sys.executable, "run_prepare.py", "x.jsonl", json.dumps(options)]
+    return [sys.executable, "run_prepare.py", inputs, json.dumps(options)]
 
 
 CHANGED = "x.jsonl: the file changed while it was being read (replaced, truncated or rewritten: "
@@ -148,6 +148,20 @@ def test_the_cli_says_in_one_line_which_input_changed(site):
     assert r.returncode == 2, r.stderr
     assert r.stderr.splitlines() == [f"tokenmill prepare: error: {CHANGED}size 13,000,000 → "
                                      "6,000,037 bytes); run again once it is stable"]
+    assert not (site / "store" / "manifest.json").exists()
+
+
+def test_an_object_replaced_on_s3_while_prepare_reads_it_fails_naming_it(site, s3):
+    """A URL's identity is its size and what the server reports of its version (here the ETag):
+    checked after each unit is read."""
+    url = s3.url("x.jsonl")
+    s3.fs.pipe_file(url, records(1200))
+    r = paused_run(site, script(2, url), lambda _: s3.fs.pipe_file(url, records(1200, "N")))
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf'tokenmill.errors.InputError: {url}: the file changed while it was '
+                        r'being read \(replaced, truncated or rewritten: ETag "\w+" → "\w+"\); '
+                        r'run again once it is stable', last), last
     assert not (site / "store" / "manifest.json").exists()
 
 

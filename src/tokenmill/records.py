@@ -230,10 +230,10 @@ def problem(path: str, on_error: str, where: str, reason: str, detail: str) -> S
 class RemoteId(NamedTuple):
     """What tells one version of a remote object from another, as its fsspec backend says: the
     size (None if the server will not say) and whichever of ETag, checksum, generation or
-    modification time it reports (``tag``; "" if none)."""
+    modification time it reports (``tag``: (field, value) pairs; none if it reports none)."""
 
     size: int | None
-    tag: str
+    tag: tuple[tuple[str, str], ...]
 
 
 _VERSION_FIELDS = ("ETag", "etag", "md5Hash", "Content-MD5", "generation", "VersionId", "blob_id",
@@ -249,7 +249,7 @@ def input_id(path: str, storage_options: Mapping[str, Any] | None = None) -> Fil
     with backend_errors(path):
         fs.invalidate_cache(p)
         info = fs.info(p)
-    tag = ";".join(f"{k}={info[k]}" for k in _VERSION_FIELDS if info.get(k) is not None)
+    tag = tuple((k, str(info[k])) for k in _VERSION_FIELDS if info.get(k) is not None)
     return RemoteId(None if info.get("size") is None else int(info["size"]), tag)
 
 
@@ -273,7 +273,9 @@ def id_change(was: FileId | RemoteId, now: FileId | RemoteId) -> str | None:
         return f"size {was.size:,} → {now.size:,} bytes" if None not in (was.size, now.size) \
             else "its size changed"
     if isinstance(was, RemoteId):
-        return None if was.tag == now.tag else f"{was.tag or 'unversioned'} → {now.tag}"
+        then, it = dict(was.tag), dict(now.tag)
+        return next((f"{k} {then.get(k)} → {it.get(k)}" for k in {**then, **it}
+                     if then.get(k) != it.get(k)), None)
     if was.ino and was.ino != now.ino:
         return "another file was put in its place"
     return None if was.mtime_ns == now.mtime_ns else "rewritten: same size, another mtime"
