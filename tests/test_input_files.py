@@ -23,9 +23,11 @@ from pathlib import Path
 import pytest
 
 from conftest import docs_of, write_jsonl
-from tokenmill.errors import ConfigError
+from tokenmill import sources
+from tokenmill.errors import ConfigError, InputError
 from tokenmill.io import atomic_write_bytes
 from tokenmill.prepare import prepare
+from tokenmill.records import SourceConfig
 
 LINE = 100  # every record's line is exactly this long: record i starts at byte i * LINE
 UNIT = 4000  # unit_bytes of the script runs: 40 records a unit
@@ -163,6 +165,30 @@ def test_an_object_replaced_on_s3_while_prepare_reads_it_fails_naming_it(site, s
                         r'being read \(replaced, truncated or rewritten: ETag "\w+" → "\w+"\); '
                         r'run again once it is stable', last), last
     assert not (site / "store" / "manifest.json").exists()
+
+
+def rewritten(path: Path) -> None:
+    """Other text of the same size written into the same file (same inode), mtime moved on."""
+    before = os.stat(path).st_mtime_ns
+    with open(path, "r+b") as f:
+        f.write(records(1200, fill="N"))
+    os.utime(path, ns=(before + 1_000_000, before + 1_000_000))
+
+
+@pytest.mark.parametrize("change, how", [
+    (replaced, "another file was put in its place"), (truncated, "size 120,000 → 72,037 bytes"),
+    (rewritten, "rewritten: same size, another mtime"), (os.remove, "removed")])
+def test_every_change_after_planning_fails_each_unit_under_either_policy(tmp_path, change, how):
+    """Without a transform too: each unit read after the change fails, naming the file."""
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(records(1200))
+    units = sources.plan_units([str(path)], SourceConfig(unit_bytes=UNIT))
+    change(path)
+    for on_error in ("raise", "skip"):
+        config = SourceConfig(unit_bytes=UNIT, on_error=on_error)
+        for unit in (units[0], units[12], units[-1]):
+            with pytest.raises(InputError, match=re.escape(f"{path}: {CHANGED[9:]}{how})")):
+                list(sources.read_unit(unit, config))
 
 
 def test_after_the_error_a_rerun_on_the_stable_file_gives_the_store_of_its_new_text(site):

@@ -308,6 +308,8 @@ class SameInput:
         try:
             how = id_change(self.unit.ident, input_id(self.unit.path, self.storage_options))
         except FileNotFoundError:
+            if is_url(self.unit.path):
+                return  # fsspec's HTTP also says so when it cannot connect: its reader tells
             how = "removed"
         except (OSError, TokenmillError):
             return  # unreadable now: its reader says so
