@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import io
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from pathlib import Path
 
 
 from tokenmill.errors import TokenmillError
+from tokenmill.io import atomic_output, atomic_write_bytes
 
 
 @dataclass(frozen=True)
@@ -79,11 +81,9 @@ def _docstrings(source: str) -> str:
 
 def write_corpus(path: Path, texts: list[str]) -> Path:
     """JSONL of the texts, written atomically."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_output(path) as f:
         for t in texts:
-            f.write(json.dumps({"text": t}) + "\n")
-    os.replace(tmp, path)
+            f.write((json.dumps({"text": t}) + "\n").encode())
     return path
 
 
@@ -296,8 +296,8 @@ def plot_runs(before: dict, after: dict, path: Path) -> Path | None:
     ax.legend()
     ax.set_title("Same model, same cores: loss against time")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, png.getvalue())
     return path

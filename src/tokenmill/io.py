@@ -19,6 +19,7 @@ import mmap
 import os
 import queue
 import secrets
+import stat
 import threading
 import time
 import weakref
@@ -169,15 +170,47 @@ def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
     with atomic_output("out.bin") as f: f.write(b"…")
     """
     path = Path(path)
+    check_replaceable(path)
     tmp = temp_name(path)
     try:
         with no_space_is_a_store_error(path), open(tmp, "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        check_replaceable(path)  # again: the writing may have taken long
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
+          (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def special_kind(mode: int) -> str | None:
+    """What a file of this ``st_mode`` is when it is not a regular file, in words; else None.
+
+    special_kind(stat.S_IFIFO) == "a named pipe (FIFO)"
+    """
+    return next((what for test, what in _KINDS if test(mode)), None)
+
+
+def check_replaceable(path: str | os.PathLike) -> None:
+    """Refuse an output path that holds anything but a regular file: the rule of every atomic
+    writer. A symbolic link (to anything, or dangling), a FIFO, a socket, a device or a directory
+    is a ConfigError saying what it is; it is never replaced, nor written through."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    what = special_kind(st.st_mode)
+    if what is None:
+        return
+    target = f" to {os.readlink(path)}" if stat.S_ISLNK(st.st_mode) else ""
+    raise ConfigError(f"{path}: is {what}{target}, not a regular file; outputs are written to a "
+                      "temporary file renamed into place, which would replace it: name a regular "
+                      "file (for a link, its target)")
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -4,7 +4,14 @@ a ``Skip`` or an ``InputError``.
 
 ``tokenmill.readers``, ``tokenmill.columnar`` and ``tokenmill.tabular`` read formats;
 ``tokenmill.sources`` lists inputs and plans units. They import this module; it imports only
-``tokenmill.errors``.
+``tokenmill.errors`` and ``tokenmill.io``.
+
+A file that changes while it is read. A unit carries its file's identity as planned
+(``Unit.ident``: device, inode, size and mtime; a URL's size and ETag or time). ``SameInput``
+compares it with the file's before the unit is read and after, and before a reading error is
+reported (a file truncated under its reader looks like a malformed last line): a difference is
+an ``InputError`` naming the file, under either policy — never part of one version and part of
+another in one store.
 
 Bad input. Each problem has a reason from REASONS. Under ``on_error="raise"`` it raises
 ``InputError`` naming the file and the 1-based line (or row); under ``"skip"`` a ``Skip`` takes
@@ -29,13 +36,15 @@ format joins ``unit_lines_relative``.
 
 from __future__ import annotations
 
+import os
 import sys
 import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from tokenmill.errors import ConfigError, InputError, check_int
+from tokenmill.errors import ConfigError, InputError, TokenmillError, check_int
+from tokenmill.io import FileId, backend_errors, file_id, filesystem, is_url
 
 REASONS = ("malformed_json", "missing_field", "non_string_field", "invalid_utf8", "empty_document",
            "empty_file", "no_match", "unreadable", "binary_file", "transform_error",
@@ -100,12 +109,16 @@ class Unit:
     compressed stream — or row groups (parquet) or record batches (Arrow stream) [start, stop).
     stop == -1 means to the end of the file. ``line``: lines before ``start`` when the planner
     counted them (compressed streams), else None (counted only if an error needs it).
+    ``ident``: the file's identity when the unit was planned; reading the unit checks it
+    (``SameInput``).
     """
 
     path: str
     start: int
     stop: int
     line: int | None = None
+    # the file's identity when planned (None: unchecked); not part of what the unit is
+    ident: FileId | RemoteId | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -209,3 +222,102 @@ def problem(path: str, on_error: str, where: str, reason: str, detail: str) -> S
         place, hint = path, _FILE_HINT.get(reason, "fix or remove the file") + ","
     raise InputError(f"{place}: {_WHAT[reason]} ({detail}); {hint} or pass --on-error skip",
                      path=path, where=where, reason=reason)
+
+
+# ---- a file that changes while it is read -------------------------------------------------
+
+class RemoteId(NamedTuple):
+    """What tells one version of a remote object from another, as its fsspec backend says: the
+    size (None if the server will not say) and whichever of ETag, checksum, generation or
+    modification time it reports (``tag``: (field, value) pairs; none if it reports none)."""
+
+    size: int | None
+    tag: tuple[tuple[str, str], ...]
+
+
+_VERSION_FIELDS = ("ETag", "etag", "md5Hash", "Content-MD5", "generation", "VersionId", "blob_id",
+                   "LastModified", "Last-Modified", "last_modified", "updated", "mtime")
+
+
+def input_id(path: str, storage_options: Mapping[str, Any] | None = None) -> FileId | RemoteId:
+    """The identity of an input file now: a local file's ``io.FileId``; a URL's ``RemoteId``,
+    asked of the server (not fsspec's cache). OSError if it cannot be had."""
+    if not is_url(path):
+        return file_id(os.stat(path))
+    fs, p = filesystem(path, storage_options)
+    with backend_errors(path):
+        fs.invalidate_cache(p)
+        info = fs.info(p)
+    tag = tuple((k, str(info[k])) for k in _VERSION_FIELDS if info.get(k) is not None)
+    return RemoteId(None if info.get("size") is None else int(info["size"]), tag)
+
+
+def planned_id(path: str, storage_options: Mapping[str, Any] | None = None
+               ) -> FileId | RemoteId | None:
+    """``input_id`` as planning takes it: None if it cannot be had (the reader reports why)."""
+    try:
+        return input_id(path, storage_options)
+    except (OSError, TokenmillError):
+        return None
+
+
+def id_change(was: FileId | RemoteId, now: FileId | RemoteId) -> str | None:
+    """How an input's identity ``now`` differs from what it ``was``, in words; None if it does
+    not. Device numbers are not compared (machines mounting one network filesystem number them
+    differently), nor an inode recorded as 0 (unknown: see ``integrations.ray``).
+
+    id_change(FileId(1, 7, 10, 5), FileId(1, 7, 4, 6)) == "size 10 → 4 bytes"
+    """
+    if was.size != now.size:
+        return f"size {was.size:,} → {now.size:,} bytes" if None not in (was.size, now.size) \
+            else "its size changed"
+    if isinstance(was, RemoteId):
+        then, it = dict(was.tag), dict(now.tag)
+        return next((f"{k} {then.get(k)} → {it.get(k)}" for k in {**then, **it}
+                     if then.get(k) != it.get(k)), None)
+    if was.ino and was.ino != now.ino:
+        return "another file was put in its place"
+    return None if was.mtime_ns == now.mtime_ns else "rewritten: same size, another mtime"
+
+
+class SameInput:
+    """Reading ``unit`` proves its file is the one planned (``Unit.ident``): compared before the
+    unit is read (a local file: one ``stat``) and after it, or before the error that ended the
+    read escapes (a URL: one request to its server, after); a difference raises ``changed``.
+
+        with SameInput(unit, storage_options): ...  # read the unit
+    """
+
+    def __init__(self, unit: Unit, storage_options: Mapping[str, Any] | None = None):
+        self.unit, self.storage_options = unit, storage_options
+
+    def __enter__(self) -> SameInput:
+        if not is_url(self.unit.path):
+            self.check()
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        if kind is None or issubclass(kind, Exception):  # not on GeneratorExit, Ctrl-C
+            self.check(error)
+
+    def check(self, cause: BaseException | None = None) -> None:
+        """Raise ``changed`` if the file is not the one planned."""
+        if self.unit.ident is None:
+            return
+        try:
+            how = id_change(self.unit.ident, input_id(self.unit.path, self.storage_options))
+        except FileNotFoundError:
+            if is_url(self.unit.path):
+                return  # fsspec's HTTP also says so when it cannot connect: its reader tells
+            how = "removed"
+        except (OSError, TokenmillError):
+            return  # unreadable now: its reader says so
+        if how is not None:
+            raise changed(self.unit.path, how) from cause
+
+
+def changed(path: str, how: str) -> InputError:
+    """The error for an input that changed after it was planned (``how``: what differs)."""
+    return InputError(f"{path}: the file changed while it was being read (replaced, truncated "
+                      f"or rewritten: {how}); run again once it is stable", path=path,
+                      where="file", reason="changed")

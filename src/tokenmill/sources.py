@@ -46,17 +46,18 @@ import os
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, NamedTuple
 
 from tokenmill import columnar, readers, splits, tabular
 from tokenmill.decompress import StreamPayloads
 from tokenmill.errors import ConfigError, InputError, TokenmillError
-from tokenmill.io import file_size, filesystem, is_url, read_bytes
+from tokenmill.io import file_size, filesystem, is_url, read_bytes, special_kind
 from tokenmill.records import (COMPRESSED, EXTENSIONS, FORMATS, LONG_DOCUMENT, REASONS, Doc,
-                               LineCount, Skip, SourceConfig, Unit, check_policy, describe,
-                               format_of, format_or_none, io_errors, problem, web_path)
+                               LineCount, SameInput, Skip, SourceConfig, Unit, check_policy,
+                               describe, format_of, format_or_none, io_errors, planned_id,
+                               problem, web_path)
 
 __all__ = ["DATASET_STATE", "Doc", "FORMATS", "Ignored", "Listing", "REASONS", "Skip", "SourceConfig",
            "Unit", "dataset_files", "format_of", "list_files", "list_inputs", "needs_payload",
@@ -82,8 +83,7 @@ class Ignored:
     @classmethod
     def of(cls, paths: Sequence[str]) -> Ignored:
         """The record of these passed-over paths."""
-        exts = Counter(os.path.splitext(p.rstrip("/").rpartition("/")[2])[1].lower() or "(no extension)"
-                       for p in paths)
+        exts = Counter(_label(p) for p in paths)
         return cls(tuple(sorted(exts.items(), key=lambda kv: (-kv[1], kv[0]))),
                    tuple(sorted(paths)[:3]))
 
@@ -104,6 +104,23 @@ class Ignored:
             return "ignored 0 files"
         n = self.total
         return f"ignored {n} file{'s' * (n != 1)}: {self.summary()} (e.g. {', '.join(self.examples)})"
+
+
+def _label(path: str) -> str:
+    """How Ignored counts a path: what it is, if a walk passed it over for not being a regular
+    file ("named pipe (FIFO)"), else its extension (".md", "(no extension)")."""
+    kind = _special(path) if format_or_none(path) else None  # others were passed for their name
+    return kind.removeprefix("a ") if kind else (
+        os.path.splitext(path.rstrip("/").rpartition("/")[2])[1].lower() or "(no extension)")
+
+
+def _special(path: str) -> str | None:
+    """What a local path is if not a regular file, or a link to one (a FIFO, a socket, a device,
+    a directory), in words; None for a regular file, a URL or a path that cannot be read."""
+    try:
+        return None if is_url(path) else special_kind(os.stat(path).st_mode)
+    except OSError:
+        return None
 
 
 class Listing(NamedTuple):
@@ -150,8 +167,13 @@ def list_files(inputs: str | os.PathLike | Sequence[str | os.PathLike], *, on_er
 
 def plan_units(files: Sequence[str], config: SourceConfig) -> list[Unit]:
     """Cut files into units, deterministically; any unit can be read on its own, in any process
-    (a compressed stream's unit best with its payload, see unit_payloads)."""
-    return [unit for path in files for unit in _plan_file(path, format_of(path), config)]
+    (a compressed stream's unit best with its payload, see unit_payloads). Each unit carries its
+    file's identity, taken before planning it: reading checks it (``records.SameInput``)."""
+    units = []
+    for path in files:
+        ident = planned_id(path, config.storage_options)
+        units += [replace(u, ident=ident) for u in _plan_file(path, format_of(path), config)]
+    return units
 
 
 def needs_payload(unit: Unit) -> bool:
@@ -180,6 +202,12 @@ def read_unit(unit: Unit, config: SourceConfig, payload: bytes | None = None,
         raise TypeError(f"{unit}: a payload is only for a compressed stream's unit")
     report = partial(problem, unit.path, config.on_error)
     fmt = format_of(unit.path)
+    with SameInput(unit, config.storage_options):  # the file planned, or an error naming it
+        yield from _unit_docs(unit, fmt, config, report, payload, count)
+
+
+def _unit_docs(unit: Unit, fmt: str, config: SourceConfig, report, payload: bytes | None,
+               count: LineCount | None) -> Iterator[Doc | Skip]:
     try:
         if fmt in _COLUMNAR:
             docs = _COLUMNAR[fmt][1](unit.path, unit.start, unit.stop, config, report)
@@ -351,11 +379,12 @@ def _expand_local(pattern: str, passed: list[str]) -> list[str]:
         if not os.path.exists(pattern):
             return []
         format_of(pattern)  # raises for an unsupported type
+        _refuse_special(pattern)
         return [os.path.normpath(pattern)]
     matches = globlib.glob(pattern, recursive=True)
     found = [f for m in matches if os.path.isdir(m) for f in _walk(m, passed)]
     files = [os.path.normpath(m) for m in matches if not os.path.isdir(m)]
-    return found + _taken(files, pattern.lower().endswith(".arrow"), passed)
+    return found + _regular(_taken(files, pattern.lower().endswith(".arrow"), passed), passed)
 
 
 def _walk(root: str, passed: list[str]) -> list[str]:
@@ -370,7 +399,24 @@ def _walk(root: str, passed: list[str]) -> list[str]:
             dirs.clear()  # no .json input: reading it made an identical rerun "other settings")
             continue
         found += _taken([os.path.join(d, n) for n in names], False, passed)
-    return [os.path.normpath(f) for f in found]
+    return _regular([os.path.normpath(f) for f in found], passed)
+
+
+def _regular(paths: list[str], passed: list[str]) -> list[str]:
+    """The paths that are regular files (or links to one); the others (a FIFO would block its
+    reader for ever, a device never ends) are added to ``passed``, never opened."""
+    keep = []
+    for p in paths:
+        (passed if _special(p) else keep).append(p)
+    return keep
+
+
+def _refuse_special(path: str, kind: str | None = None) -> None:
+    """An input named explicitly that is not a regular file is an InputError saying what it is."""
+    if kind := kind or _special(path):
+        raise InputError(f"{path}: is {kind}, not a regular file; tokenmill reads files: write "
+                         "its data to a file and name that", path=path, where="file",
+                         reason="unreadable")
 
 
 def _is_store(names: Sequence[str]) -> bool:
@@ -417,6 +463,8 @@ def _expand_url(url: str, storage_options, passed: list[str]) -> list[str]:
                 return []
             if infos[root]["type"] != "directory":
                 format_of(url)  # raises for an unsupported type
+                if infos[root]["type"] == "other":  # fsspec's local files: a FIFO, a device
+                    _refuse_special(url, "a special file (a FIFO, a socket or a device)")
         arrow_ok = _has_magic(web_path(root)) and web_path(root).lower().endswith(".arrow")
         found, skipped = [], []
         for path, info in infos.items():
@@ -440,7 +488,9 @@ def _expand_url(url: str, storage_options, passed: list[str]) -> list[str]:
 
 def _walk_fs(fs, root: str, passed: list[str]) -> list[str]:
     """_walk on an fsspec filesystem: dataset folders give their data files, nothing else."""
-    files = fs.find(root)
+    infos = fs.find(root, detail=True)
+    files = [p for p, info in infos.items() if info.get("type") != "other"]
+    passed += [p for p, info in infos.items() if info.get("type") == "other"]  # a local FIFO…
     datasets = {}
     for p in files:
         folder, _, name = p.rpartition("/")

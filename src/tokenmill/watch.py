@@ -31,7 +31,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from tokenmill.errors import check_int
+from tokenmill.errors import ConfigError, check_int
+from tokenmill.io import atomic_write_bytes
 
 __all__ = ["Watch", "slowest"]
 
@@ -159,7 +160,7 @@ class Watch:
             meta += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": t,
                       "args": {"name": names.get(t, f"loader worker {t - 1}")}}
                      for t in sorted({*self._threads.values(), 1})]
-            self.trace.write_text(json.dumps({"traceEvents": [*meta, *self.events]}))
+            atomic_write_bytes(self.trace, json.dumps({"traceEvents": [*meta, *self.events]}).encode())
 
     def __enter__(self) -> Watch:
         return self

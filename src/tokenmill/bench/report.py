@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import os
-from pathlib import Path
 
 from tokenmill.errors import TokenmillError
+from tokenmill.io import atomic_write_bytes
 
 _HEAD = ("contender", "tokens/s", "× naive", "1st batch", "peak RSS", "anon", "data wait",
          "p99 wait", "step slowdown")
@@ -69,7 +70,6 @@ def write_plot(report: dict, path: str | os.PathLike) -> None:
     fig.suptitle(f"tokenmill bench: seq_len {s['seq_len']}, batch {s['batch_size']}, step "
                  f"{s['step_ms']:g} ms, {report['machine']['cores']} cores")
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    atomic_write_bytes(path, png.getvalue())

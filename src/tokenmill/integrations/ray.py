@@ -49,7 +49,7 @@ import xxhash
 
 from tokenmill import sources
 from tokenmill.errors import ConfigError, StoreError, TokenmillError
-from tokenmill.io import atomic_write_bytes, filesystem, is_url, json_bytes
+from tokenmill.io import FileId, atomic_write_bytes, filesystem, is_url, json_bytes
 from tokenmill.prepare.run import (Progress, Run, finish, origins_of, report, start_run,
                                    summary_line, unit_weights)
 from tokenmill.prepare.tokenize import PrepareConfig, config_tokenizer, tokenize_unit
@@ -136,7 +136,7 @@ def stage_unit(job: Job, u: int, unit: sources.Unit) -> Staged:
     dtype = np.dtype(job.dtype).newbyteorder("<")
     tokens_file, meta_file = job.unit_file(u, ".bin"), job.unit_file(u, ".json")
     meta = _read_json(meta_file, job.storage_options)
-    if (meta is not None and meta["key"] == job.key and meta["unit"] == list(astuple(unit))
+    if (meta is not None and meta["key"] == job.key and meta["unit"] == unit_record(unit)
             and "lines" in meta  # staged before origins were recorded: redone
             and _size(tokens_file, job.storage_options) == meta["num_tokens"] * dtype.itemsize):
         skips = [(o, sources.Skip(**s)) for o, s in meta["skips"]]
@@ -149,14 +149,26 @@ def stage_unit(job: Job, u: int, unit: sources.Unit) -> Staged:
     spec = spec if c.tokenizer != "bytes" and os.path.exists(spec) else c.tokenizer
     tok = config_tokenizer(spec, c.tokenizer_engine, c.eos, c.bos)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one task per core already
-    res = tokenize_unit(replace(unit, path=job.local(unit.path)), c, job.storage_options, tok)
+    res = tokenize_unit(on_this_machine(unit, job), c, job.storage_options, tok)
     skips = [(o, replace(s, path=unit.path)) for o, s in res.skips]  # named as the driver names it
     _put(tokens_file, res.tokens.astype(dtype).tobytes(), job.storage_options)
-    meta = {"key": job.key, "unit": list(astuple(unit)), "num_tokens": len(res.tokens),
+    meta = {"key": job.key, "unit": unit_record(unit), "num_tokens": len(res.tokens),
             "lengths": res.lengths.tolist(), "skips": [(o, asdict(s)) for o, s in skips],
             "digest": res.digest, "lines": res.lines.tolist(), "newlines": res.newlines}
     _put(meta_file, json_bytes(meta), job.storage_options)  # last: it vouches for the tokens
     return Staged(u, res.lengths, skips, len(res.tokens), res.digest, res.lines, res.newlines)
+
+
+def unit_record(unit: sources.Unit) -> list:
+    """A unit as its staged ``.json`` records it (the file's identity as a list)."""
+    return json.loads(json_bytes(astuple(unit)))
+
+
+def on_this_machine(unit: sources.Unit, job: Job) -> sources.Unit:
+    """``unit`` as a task reads it: its path the driver's, its file's identity without device and
+    inode (another machine's mount of a shared filesystem numbers them otherwise)."""
+    ident = unit.ident._replace(dev=0, ino=0) if isinstance(unit.ident, FileId) else unit.ident
+    return replace(unit, path=job.local(unit.path), ident=ident)
 
 
 def write_shard(job: Job, index: int, pieces: list[tuple[int, int, int]],

@@ -267,8 +267,10 @@ class ReadAhead:
                 return
 
     def reads(self, units: Sequence[sources.Unit]) -> bool:
-        """Whether this reads exactly ``units``, in this order (and has not been closed)."""
-        return not self.stopped.is_set() and self.units == list(units)
+        """Whether this reads exactly ``units``, in this order, of the same files (identities
+        as planned), and has not been closed."""
+        return (not self.stopped.is_set() and self.units == list(units)
+                and [u.ident for u in self.units] == [u.ident for u in units])
 
     def take(self) -> tuple[list, str | None]:
         """The next unit's ``read_unit_items`` (or raise what reading it raised)."""

@@ -37,7 +37,7 @@ from tokenmill.prepare.pool import ReadAhead, UnitPool, ordered_results
 from tokenmill.prepare.tokenize import (PrepareConfig, UnitResult, engine_option, engine_record,
                                         input_name, unit_digest)
 from tokenmill.procs import resolve_workers, usable_cores
-from tokenmill.records import COMPRESSED
+from tokenmill.records import COMPRESSED, changed
 from tokenmill.store.format import SOURCES, Origins
 from tokenmill.store.upload import RemoteOut
 from tokenmill.store.writer import StoreWriter, WriterConfig
@@ -80,8 +80,8 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
                                   storage_options=storage_options, split=config.split)
     files, list_skips = listing.files, listing.skips
     if listing.ignored:
-        report(f"note: {listing.ignored}; prepare reads .txt, .jsonl[.gz|.zst], .json[.gz|.zst], "
-               ".csv, .tsv, .parquet, .arrow", progress)
+        report(f"note: {listing.ignored}; prepare reads regular files of .txt, .jsonl[.gz|.zst], "
+               ".json[.gz|.zst], .csv, .tsv, .parquet, .arrow", progress)
     sizes = file_sizes(files, storage_options)
     settings = config.settings(inputs, files, sizes)
     if "spec" in tok.identity():  # a name: a resume must find the very same file behind it
@@ -96,6 +96,7 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
         """The work units, planned once, on first need."""
         if not units:
             units.extend(sources.plan_units(files, config.source_config(storage_options)))
+            same_sizes(units, sizes)
         return units
 
     writer = StoreWriter(remote.staging if remote else out,
@@ -142,6 +143,15 @@ def input_check(units: Callable[[], list[sources.Unit]], storage_options,
                 return False
         return True
     return check
+
+
+def same_sizes(units: Sequence[sources.Unit], sizes: dict[str, int]) -> None:
+    """Raise ``records.changed`` for a file whose size when its units were planned is not the
+    size the run records (``sizes``, taken before): it changed in between."""
+    for unit in units:
+        size = getattr(unit.ident, "size", None)
+        if size is not None and sizes.get(unit.path) not in (size, None):
+            raise changed(unit.path, f"size {sizes[unit.path]:,} → {size:,} bytes")
 
 
 def engine_line(tok: Tokenizer) -> str:

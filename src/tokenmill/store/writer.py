@@ -243,10 +243,11 @@ class StoreWriter:
         key = self._read_key()
         if key != self.config.key:
             if records and key is not None and not self.config.overwrite:
-                raise ConfigError(
-                    f"{self.where}: holds an unfinished prepare with other settings "
-                    f"({describe_change(key, self.config.key)}); rerun the original command to "
-                    "finish it, or pass --overwrite to start over")
+                advice = ("an input changed since: pass --overwrite to start over" if
+                          key.get("files") != self.config.key.get("files") else
+                          "rerun the original command to finish it, or pass --overwrite to start over")
+                raise ConfigError(f"{self.where}: holds an unfinished prepare with other settings "
+                                  f"({describe_change(key, self.config.key)}); {advice}")
             pending |= set(range(len(records)))
             records = []
         kept = 0
