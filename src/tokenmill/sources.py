@@ -405,10 +405,9 @@ def _walk(root: str, passed: list[str]) -> list[str]:
 def _regular(paths: list[str], passed: list[str]) -> list[str]:
     """The paths that are regular files (or links to one); the others (a FIFO would block its
     reader for ever, a device never ends) are added to ``passed``, never opened."""
-    keep = []
-    for p in paths:
-        (passed if _special(p) else keep).append(p)
-    return keep
+    special = [_special(p) for p in paths]
+    passed += [p for p, s in zip(paths, special) if s]
+    return [p for p, s in zip(paths, special) if not s]
 
 
 def _refuse_special(path: str, kind: str | None = None) -> None:
