@@ -68,3 +68,45 @@ def test_first_batch_does_no_per_sample_or_per_document_work(tmp_path):
     assert 1 <= len(mapped_shards(path)) <= 8, mapped_shards(path)
     loader.close()
     store.close()
+
+
+class Counting:
+    """A TokenStore that counts the document ids its indexes are read for."""
+
+    def __init__(self, store: TokenStore):
+        self.store, self.ids = store, 0
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def __len__(self):
+        return len(self.store)
+
+    def doc_spans(self, ids):
+        self.ids += len(ids)
+        return self.store.doc_spans(ids)
+
+
+def test_packed_start_and_resume_read_a_window_s_worth_of_documents(tmp_path):
+    # 10^6 documents: the packed plan reads the lengths of a bounded number of windows (K
+    # documents each) to start, and again to resume deep into a later epoch — never all of them
+    from tokenmill.packplan import PackedPlan
+    path = sparse_store(tmp_path / "s")
+    store = TokenStore(path, verify="off")
+    counting = Counting(store)
+    tracemalloc.start()
+    try:
+        plan = PackedPlan(counting, seq_len=2048, max_segments=None, seed=0, salt=0)
+        plan.locate(np.array([0, 1, 7]))  # the first batch
+        started = counting.ids
+        plan.locate(np.array([plan.num_rows * 5 + plan.num_rows * 3 // 4]))  # a resume
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(store) == 999_936 and plan.k == 4197
+    assert started <= 30 * plan.k and counting.ids - started <= 30 * plan.k, (started, plan.k)
+    assert counting.ids < len(store) // 4
+    assert peak < 32 << 20, peak  # a few windows' arrays, not 10^6 documents' (8 MB each)
+    # rows are allotted from the store's tokens: the whole epoch, to the row, without packing it
+    assert plan.num_rows == plan.allotted(0, plan.windows)
+    store.close()

@@ -115,37 +115,6 @@ def test_docs_per_window_is_bounded():
     assert docs_per_window(10**8, 10**13, 2048) == 64
 
 
-class Counting:
-    """A TokenStore that counts the document ids its indexes are read for."""
-
-    def __init__(self, store: TokenStore):
-        self.store, self.ids = store, 0
-
-    def __getattr__(self, name):
-        return getattr(self.store, name)
-
-    def __len__(self):
-        return len(self.store)
-
-    def doc_spans(self, ids):
-        self.ids += len(ids)
-        return self.store.doc_spans(ids)
-
-
-@pytest.mark.parametrize("docs", [20_000, 200_000])
-def test_start_and_any_row_read_a_bounded_number_of_documents(tmp_path, docs):
-    # the same mean length, ten times the documents: what a plan reads does not grow
-    lengths = np.random.default_rng(0).integers(1, 120, size=docs)
-    write_positional_store(tmp_path / "s", lengths, shard_tokens=400_000)
-    with TokenStore(tmp_path / "s") as store:
-        counting = Counting(store)
-        plan = PackedPlan(counting, seq_len=256, max_segments=None, seed=1, salt=0)
-        plan.locate(np.array([plan.num_rows * 3 // 4, 5 * plan.num_rows - 1]))  # a resume
-        assert plan.k == docs_per_window(docs, int(lengths.sum()), 256)
-        assert counting.ids <= 40 * plan.k, (counting.ids, plan.k)
-        assert plan.k < docs // 2 or docs == 20_000
-
-
 def test_a_packed_loader_writes_nothing_and_opens_a_read_only_store(tmp_path):
     lengths = lengths_summing_to(30_000, docs=300, longest=150, seed=1)
     path = write_positional_store(tmp_path / "s", lengths)

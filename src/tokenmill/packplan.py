@@ -38,10 +38,11 @@ __all__ = ["PACKING", "PackedPlan", "WindowRows", "docs_per_window", "epoch_layo
 PACKING = "strata-v1"  # goes into the fingerprint: batches change when this does
 ROWS_PER_WINDOW = 2048  # rows a window aims at: β rows of margin a window cost ~0.1% padding
 MIN_WINDOW, MAX_WINDOW = 64, 1 << 16  # documents a window
-SAMPLES = 16  # windows of epoch 0 packed to set β
+SAMPLES = 8  # windows of epoch 0 packed to set β
 MARGIN = 0.0005  # β: rows above the largest of the samples' needs, per row they needed
 MARGIN_CAPPED = 0.01  # under max_segments a window short of rows may not be mendable by cuts
 CACHED_WINDOWS = 8
+BLOCK_WINDOWS, BLOCK_DOCS = 8, 1 << 18  # windows whose documents one pass reads: ≤ 6 MB
 _TAG = 0x73747261  # "stra"
 
 
@@ -213,11 +214,13 @@ class PackedPlan:
         self.sizes = np.diff(self.bounds)  # M_i: 1 <= M_i, all within one of each other
         self.windows = int(self.sizes.max())  # W: window w holds stratum i's doc iff M_i > w
         self.merged = self.windows >= 2 and int(self.sizes.min()) < self.windows
-        self.bound_starts = store.doc_spans(self.bounds)[0]
         self._lock = threading.RLock()
         self._epochs: OrderedDict[int, tuple] = OrderedDict()
         self._cache: OrderedDict[tuple[int, int], WindowRows] = OrderedDict()
+        self._blocks: OrderedDict[tuple[int, int], list] = OrderedDict()
+        self.block = max(1, min(BLOCK_WINDOWS, BLOCK_DOCS // self.k))  # windows read at once
         self._prefix: dict[tuple[int, int], int] = {}
+        self._probes: dict = {}
         self._counted: set[tuple[int, int]] = set()
         self.counts = {"windows_packed": 0, "documents_packed": 0, "documents_cut": 0,
                        "num_truncated": 0, "most_segments": 0}
@@ -238,21 +241,37 @@ class PackedPlan:
     def _end(self, w: int) -> int:
         return self.windows if self.merged and w == self.windows - 2 else w + 1
 
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(rotation of each stratum, global first token of its first document) for ``epoch``."""
+    def _shift(self, epoch: int) -> np.ndarray:
+        """The rotation of each stratum in ``epoch`` (a hash: no reading)."""
         with self._lock:
             hit = self._epochs.get(epoch)
             if hit is None:
-                shift = (hash_ints(_TAG, self.seed, self.salt, epoch, np.arange(self.k)) %
-                         self.sizes.astype(np.uint64)).astype(np.int64)
-                hit = (shift, self.store.doc_spans(self.bounds[:-1] + shift)[0])
-                self._epochs[epoch] = hit
+                hit = self._epochs[epoch] = (hash_ints(
+                    _TAG, self.seed, self.salt, epoch, np.arange(self.k)) %
+                    self.sizes.astype(np.uint64)).astype(np.int64)
                 if len(self._epochs) > 4:
                     self._epochs.popitem(last=False)
             return hit
 
+    def _firsts(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(global first token of each stratum's first document in ``epoch``, tokens of each
+        stratum): what a probe of P_w starts from (read once per epoch, when first probed)."""
+        key = ("firsts", epoch)
+        with self._lock:
+            hit = self._probes.get(key)
+        if hit is None:
+            shift = self._shift(epoch)
+            starts = self.store.doc_spans(np.concatenate([self.bounds, self.bounds[:-1] + shift]))[0]
+            hit = (starts[self.k + 1:], np.diff(starts[:self.k + 1]))
+            with self._lock:
+                if len(self._probes) >= 4:
+                    self._probes.clear()
+                self._probes[key] = hit
+        return hit
+
     def prefix_tokens(self, epoch: int, w: int) -> int:
-        """P_w: tokens of the documents of windows 0 … w-1 in ``epoch`` (one read a stratum)."""
+        """P_w: tokens of the documents of windows 0 … w-1 in ``epoch``: from a block of windows
+        already read when it holds w, else probed (one read a stratum)."""
         if w <= 0:
             return 0
         if w >= self.windows:
@@ -261,13 +280,18 @@ class PackedPlan:
         with self._lock:
             if key in self._prefix:
                 return self._prefix[key]
-        shift, first = self._epoch(epoch)
-        q = shift + np.minimum(w, self.sizes)
-        wrap = q > self.sizes
-        point = self.bounds[:-1] + np.where(wrap, q - self.sizes, q)
-        ends = self.store.doc_spans(point)[0]
-        total = int((ends - first).sum()) + int(
-            (self.bound_starts[1:] - self.bound_starts[:-1])[wrap].sum())
+        b = w // self.block
+        if b == 0 or (epoch, b * self.block) in self._prefix:  # the block's start is known
+            base = self.prefix_tokens(epoch, b * self.block) if b else 0
+            spans = [self._raw(epoch, x) for x in range(b * self.block, w)]
+            total = base + sum(int(n.sum()) for _, _, n in spans)
+        else:
+            first, sizes = self._firsts(epoch)
+            shift = self._shift(epoch)
+            q = shift + np.minimum(w, self.sizes)
+            wrap = q > self.sizes
+            ends = self.store.doc_spans(self.bounds[:-1] + np.where(wrap, q - self.sizes, q))[0]
+            total = int((ends - first).sum()) + int(sizes[wrap].sum())
         with self._lock:
             self._remember(key, total)
         return total
@@ -290,15 +314,16 @@ class PackedPlan:
         return out
 
     def _search(self, epoch: int, j: int) -> int:
-        """The window w with G(w) <= j < G(end of w), by interpolation then bisection."""
-        lo, hi = 0, self.num_windows()  # G(lo) <= j < G(end(hi - 1))
-        guess = min(hi - 1, j * self.windows // max(1, self.num_rows))
-        for probe in (guess, guess + 1):  # rows are nearly uniform over windows: usually a hit
-            if lo <= probe < hi:
-                if self.allotted(epoch, probe) <= j:
-                    lo = probe
-                else:
-                    hi = probe
+        """The window w with G(w) <= j < G(end of w): from a guess (rows are spread nearly
+        evenly over windows), galloping out to a bracket, then bisecting: a few G's, each one
+        read a stratum."""
+        n = self.num_windows()
+        g = min(n - 1, j * self.windows // max(1, self.num_rows))
+        lo, hi, step = g, g + 1, 1  # find lo with G(lo) <= j, hi with G(hi) > j (or hi = n)
+        while lo > 0 and self.allotted(epoch, lo) > j:
+            lo, hi, step = max(0, lo - step), lo, step * 2
+        while hi < n and self.allotted(epoch, hi) <= j:
+            lo, hi, step = hi, min(n, hi + step), step * 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if self.allotted(epoch, mid) <= j:
@@ -309,12 +334,34 @@ class PackedPlan:
 
     def window_docs(self, epoch: int, w: int) -> np.ndarray:
         """Document ids of window w in ``epoch``, one per stratum (two for a merged last)."""
-        shift, _ = self._epoch(epoch)
-        parts = []
-        for x in range(w, self._end(w)):
-            has = self.sizes > x
-            parts.append(self.bounds[:-1][has] + (shift[has] + x) % self.sizes[has])
-        return np.concatenate(parts)
+        return np.concatenate([self._ids(epoch, x) for x in range(w, self._end(w))])
+
+    def _ids(self, epoch: int, x: int) -> np.ndarray:
+        """Document ids of raw window index x: stratum i's document (shift_i + x) mod M_i."""
+        shift = self._shift(epoch)
+        has = self.sizes > x
+        return self.bounds[:-1][has] + (shift[has] + x) % self.sizes[has]
+
+    def _spans(self, epoch: int, xs: list[int]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(ids, first tokens, lengths) of the documents of raw window indices ``xs``, read in
+        one pass over the shards' indexes (each shard's index mapped once, however many)."""
+        ids = [self._ids(epoch, x) for x in xs]
+        starts, lengths = self.store.doc_spans(np.concatenate(ids))
+        cut = np.cumsum([len(i) for i in ids])[:-1]
+        return list(zip(ids, np.split(starts, cut), np.split(lengths, cut)))
+
+    def _raw(self, epoch: int, x: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``_spans`` of one raw window index, read with the block of windows around it (the
+        next windows' documents are each stratum's next ones: one pass serves many windows)."""
+        b = x // self.block
+        with self._lock:
+            hit = self._blocks.get((epoch, b))
+            if hit is None:
+                xs = list(range(b * self.block, min((b + 1) * self.block, self.windows)))
+                hit = self._blocks[(epoch, b)] = self._spans(epoch, xs)
+                if len(self._blocks) > 2:
+                    self._blocks.popitem(last=False)
+            return hit[x - b * self.block]
 
     def window_rows(self, epoch: int, w: int) -> WindowRows:
         """Window w of ``epoch`` packed into its allotted rows (cached: the last few windows)."""
@@ -324,10 +371,10 @@ class PackedPlan:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            docs = self.window_docs(epoch, w)
-            starts, lengths = self.store.doc_spans(docs)
-            p0 = self.prefix_tokens(epoch, w)
             end = self._end(w)
+            parts = [self._raw(epoch, x) for x in range(w, end)]
+            docs, starts, lengths = (np.concatenate(a) for a in zip(*parts))
+            p0 = self.prefix_tokens(epoch, w)
             if end < self.windows:
                 self._remember((epoch, end), p0 + int(lengths.sum()))
             first, last = self.allotted(epoch, w, p0), self.allotted(epoch, end)
@@ -362,20 +409,19 @@ class PackedPlan:
         return layout, num_cut
 
     def calibrate(self) -> int:
-        """β: the most rows beyond α·T/L that SAMPLES windows spread over epoch 0 need when
-        packed naturally, plus a margin (at least 1: with α = (L + 1) / L, cuts then always
-        fit: a row of L + 1 tokens holds L tokens of the window and at most one cut's
-        overlapping token)."""
-        n = self.num_windows()
-        picks = sorted({(2 * i + 1) * n // (2 * SAMPLES) for i in range(min(SAMPLES, n))})
-        beta = 1
-        for w in picks:
-            _, lengths = self.store.doc_spans(self.window_docs(0, w))
+        """β: the most rows beyond α·T/L that the first SAMPLES windows of epoch 0 (one read of
+        the indexes, which the first batch reads anyway) need when packed naturally, plus a
+        margin (at least 1: with α = (L + 1) / L, cuts then always fit: a row of L + 1 tokens
+        holds L tokens of the window and at most one cut's overlapping token)."""
+        beta, w = 1, 0
+        while w < min(SAMPLES, self.num_windows()):
+            lengths = np.concatenate([self._raw(0, x)[2] for x in range(w, self._end(w))])
             _, _, length = pack.pieces(lengths, self.seq_len)
             rows = len(pack.place(length, self.capacity, self.cap)[1])
             by_tokens = (self.capacity * int(lengths.sum())) // (self.seq_len * self.seq_len)
             margin = int(np.ceil(rows * (MARGIN_CAPPED if self.cap else MARGIN)))
             beta = max(beta, -(-(rows - by_tokens + margin) // (self._end(w) - w)))
+            w = self._end(w)
         return beta
 
     # -- rows of draws ------------------------------------------------------------------------

@@ -29,6 +29,7 @@ __all__ = [
     "assign",
     "assign_phased",
     "batch_positions",
+    "by_value",
     "distinct",
     "epoch_of",
     "epoch_permutation",
@@ -492,3 +493,18 @@ def distinct(values: np.ndarray) -> list[int]:
         return [int(lo)]
     s = np.sort(values, kind="stable")
     return s[np.concatenate(([True], s[1:] != s[:-1]))].tolist()
+
+
+def by_value(values: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(value, the indices holding it) for each distinct value, ascending: one stable sort,
+    not one comparison of the whole array per value.
+
+    [(v, i.tolist()) for v, i in by_value(np.array([3, 1, 3]))] == [(1, [1]), (3, [0, 2])]
+    """
+    if values.size == 0:
+        return []
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    cuts = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
+    return [(int(ordered[a]), order[a:b]) for a, b in
+            zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [len(order)])).tolist())]

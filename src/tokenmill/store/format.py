@@ -120,6 +120,16 @@ class IdxArrays:
     doc_idx: np.ndarray  # int64[N + 1]
 
 
+class IdxEntries(NamedTuple):
+    """Some documents of an ``.idx`` file (``read_idx_entries``), and the file's counts."""
+
+    dtype: np.dtype
+    num_documents: int
+    num_tokens: int
+    pointers: np.ndarray  # int64 byte offsets into .bin, one per document asked
+    lengths: np.ndarray  # int64
+
+
 def size_or_raise(path: Path) -> int:
     """The size of a store file, or a StoreError saying the store is incomplete."""
     try:
@@ -146,6 +156,34 @@ def read_idx(path: str | os.PathLike, *, in_memory: bool = False,
     return IdxArrays(np.dtype(DTYPE_CODES[code]), raw[off:off + 4 * n].view("<i4"),
                      raw[off + 4 * n:off + 12 * n].view("<i8"),
                      raw[off + 12 * n:off + 12 * n + 8 * m].view("<i8"))
+
+
+def read_idx_entries(path: str | os.PathLike, local: np.ndarray, *,
+                     check: StatCheck | None = None) -> IdxEntries:
+    """Documents ``local`` of an ``.idx`` file (byte offsets, lengths), with the file's dtype,
+    document count and tokens (where its last document ends), read by ``pread`` of the runs of
+    consecutive ids: no map and no descriptor kept — for passes over thousands of shards'
+    indexes, a few entries each."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        n, _, code = _read_idx_header(path, f, check)
+        ids, back = np.unique(np.asarray(local, np.int64), return_inverse=True)
+        if ids.size and (ids[0] < 0 or ids[-1] >= n):
+            raise StoreError(f"{path}: documents {ids[0]}..{ids[-1]} asked of an index of {n:,}")
+        cuts = (np.flatnonzero(np.diff(ids) != 1) + 1).tolist()
+        lengths, pointers = np.empty(len(ids), np.int64), np.empty(len(ids), np.int64)
+        runs = list(zip([0] + cuts, cuts + [len(ids)])) if ids.size else []
+        if n:
+            ids, runs = np.append(ids, n - 1), runs + [(len(ids), len(ids) + 1)]
+            lengths, pointers = np.append(lengths, 0), np.append(pointers, 0)
+        lens_at, ptrs_at, fd = IDX_HEADER.size, IDX_HEADER.size + 4 * n, f.fileno()
+        for a, b in runs:
+            first, k = int(ids[a]), b - a
+            lengths[a:b] = np.frombuffer(os.pread(fd, 4 * k, lens_at + 4 * first), "<i4")
+            pointers[a:b] = np.frombuffer(os.pread(fd, 8 * k, ptrs_at + 8 * first), "<i8")
+    dtype = np.dtype(DTYPE_CODES[code])
+    tokens = int(pointers[-1]) // dtype.itemsize + int(lengths[-1]) if n else 0
+    return IdxEntries(dtype, n, tokens, pointers[back], lengths[back])
 
 
 def _read_idx_header(path: Path, f, check: StatCheck | None) -> tuple[int, int, int]:

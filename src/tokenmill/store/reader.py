@@ -31,9 +31,10 @@ import numpy as np
 
 from tokenmill.errors import ConfigError, StoreError, check_int
 from tokenmill.io import ChecksumWatch, file_id, is_url, map_file, redact
-from tokenmill.sampler import distinct
+from tokenmill.sampler import by_value
 from tokenmill.store.cache import CacheFullError, RemoteShards
-from tokenmill.store.format import MANIFEST, IdxArrays, read_idx, read_manifest, size_or_raise
+from tokenmill.store.format import (MANIFEST, IdxArrays, read_idx, read_idx_entries,
+                                    read_manifest, size_or_raise)
 
 MAX_OPEN = 32  # shard files a store keeps mapped at once (each map holds one descriptor)
 VERIFY_MODES = ("background", "off")
@@ -208,10 +209,15 @@ class TokenStore:
         last document ends (offset + length): the sum of its lengths, as the offsets of an index
         are contiguous (``verify`` checks it; the checksum holds it), read in O(1) — a pass over
         the lengths of a 2^31-document shard takes half a minute."""
-        s, n = self.manifest["shards"][i], len(x.lengths)
+        n = len(x.lengths)
         tokens = int(x.pointers[-1]) // x.dtype.itemsize + int(x.lengths[-1]) if n else 0
-        if x.dtype != self.dtype or n != s["num_documents"] or tokens != s["num_tokens"]:
-            raise StoreError(f"{self._file(i, '.idx')}: holds {n:,} {x.dtype} "
+        self._check_counts(i, x.dtype, n, tokens)
+
+    def _check_counts(self, i: int, dtype: np.dtype, n: int, tokens: int) -> None:
+        """``_check_index`` of an index holding ``n`` documents of ``dtype``, ``tokens`` in all."""
+        s = self.manifest["shards"][i]
+        if dtype != self.dtype or n != s["num_documents"] or tokens != s["num_tokens"]:
+            raise StoreError(f"{self._file(i, '.idx')}: holds {n:,} {dtype} "
                              f"documents of {tokens:,} tokens, the manifest says "
                              f"{s['num_documents']:,} {self.dtype} documents of "
                              f"{s['num_tokens']:,} tokens; {DISAGREE}")
@@ -417,15 +423,26 @@ class TokenStore:
         shard = np.searchsorted(self.shard_doc_starts, ids, side="right") - 1
         starts = np.full(ids.shape, self.num_tokens, np.int64)
         lengths = np.zeros(ids.shape, np.int64)
-        inside = ids < n
-        for s in distinct(shard[inside]):
-            sel = np.flatnonzero(inside & (shard == s))
-            idx = self._index(s)
+        for s, sel in by_value(np.where(ids < n, shard, -1)):
+            if s < 0:
+                continue  # the end of the stream: (num_tokens, 0)
             local = ids[sel] - int(self.shard_doc_starts[s])
-            starts[sel] = int(self.shard_token_starts[s]) + \
-                idx.pointers[local].astype(np.int64) // self.dtype.itemsize
-            lengths[sel] = idx.lengths[local]
+            pointers, lengths[sel] = self._entries(s, local)
+            starts[sel] = int(self.shard_token_starts[s]) + pointers // self.dtype.itemsize
         return starts, lengths
+
+    def _entries(self, i: int, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(byte offsets, lengths) of shard ``i``'s documents ``local``: from its index if mapped
+        (or remote: read whole), else read alone (``read_idx_entries``: a pass over many shards
+        does not map and unmap every index in turn)."""
+        x = self._idx[i]
+        if x is not None or self._remote is not None:
+            x = x if x is not None else self._index(i)
+            return x.pointers[local].astype(np.int64), x.lengths[local].astype(np.int64)
+        name = f"{self._base}/{self.manifest['shards'][i]['name']}.idx"
+        got = read_idx_entries(name, local, check=self._same_file(i, ".idx"))
+        self._check_counts(i, got.dtype, got.num_documents, got.num_tokens)
+        return got.pointers, got.lengths
 
     def docs_at(self, tokens: np.ndarray) -> np.ndarray:
         """The id of the document holding each global token (in [0, num_tokens)), read from the
@@ -439,8 +456,7 @@ class TokenStore:
                              f"{tokens.min()}..{tokens.max()})")
         shard = np.searchsorted(self.shard_token_starts, tokens, side="right") - 1
         out = np.empty(tokens.shape, np.int64)
-        for s in distinct(shard):
-            sel = np.flatnonzero(shard == s)
+        for s, sel in by_value(shard):
             byte = (tokens[sel] - int(self.shard_token_starts[s])) * self.dtype.itemsize
             local = np.searchsorted(self._index(s).pointers, byte, side="right") - 1
             out[sel] = int(self.shard_doc_starts[s]) + local
