@@ -477,6 +477,8 @@ def test_records_given_to_a_transform_are_checked_as_documents_are(site):
     (site / "bad.csv").write_bytes(b"q,a\nquestion 0,answer 0\nquestion 1,bad \xff byte\n"
                                    b"question 2,answer 2\n")
     (site / "dup.csv").write_text("q,a,a\nquestion 0,first,second\n")
+    pq.write_table(pa.table([pa.array(["question 0"]), pa.array(["first"]), pa.array(["second"])],
+                            names=["q", "a", "a"]), site / "dup.parquet")
     (site / "bad.json").write_bytes(b'[{"q": "question 0", "a": "answer 0"}, '
                                     b'{"q": "question 1", "a": "bad \xff byte"}]')
     for name, says in [("bad.csv", "bad.csv, row 2 (line 3): invalid UTF-8 (byte 0xff at "
@@ -484,7 +486,9 @@ def test_records_given_to_a_transform_are_checked_as_documents_are(site):
                        ("dup.csv", "dup.csv: malformed row (the header names column 'a' 2 "
                                    "times; rename all but one)"),
                        ("bad.json", "bad.json, element 2: invalid UTF-8 (byte 0xff at "
-                                    "character 5 of 'a')")]:
+                                    "character 5 of 'a')"),
+                       ("dup.parquet", "dup.parquet: malformed row (the schema names column 'a' "
+                                       "2 times; rename all but one)")]:
         for args in (("--text-key", "a"), ("--transform", "fmt:chat")):
             r = cli(site, "prepare", name, "--out", "s", *args)
             assert r.returncode == 2 and says in r.stderr, (args, r.stderr)
