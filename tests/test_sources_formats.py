@@ -125,6 +125,9 @@ def test_json_array_errors_name_the_element(tmp_path):
     path.write_text('[{"text": "a"}')
     assert [getattr(x, "detail", x) for x in read_documents(str(path), SourceConfig(on_error="skip"))] == [
         "a", "the array is not closed (the file ends)"]
+    path.write_text('[{"text": "a"}, {"text": "b')  # cut inside an element: that one skipped
+    assert [getattr(x, "where", x) for x in read_documents(str(path), SourceConfig(on_error="skip"))] == [
+        "a", "element 2"]
 
 
 def test_a_bad_json_array_element_under_skip_is_counted_and_the_rest_prepared(tmp_path):
