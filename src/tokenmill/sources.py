@@ -198,8 +198,7 @@ def read_unit(unit: Unit, config: SourceConfig, payload: bytes | None = None,
 
 
 def _whole_record_file(unit: Unit, fmt: str, config: SourceConfig) -> bool:
-    """A CSV/TSV, or a .json array (or lone object): read whole by tabular (JSON Lines are
-    planned in ranges)."""
+    """A CSV/TSV, or a .json array (or object): read whole by tabular (not JSON Lines)."""
     return fmt != "json" or (unit.stop < 0 and tabular.json_layout(unit.path, config.storage_options)
                              != "lines")
 
