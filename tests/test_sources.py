@@ -421,7 +421,7 @@ def line_oracle(data: bytes, mode: str) -> list:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(lines=st.lists(st.one_of(st.text(LINE_CHARS, max_size=6).map(str.encode), st.just(b"\xff\xfe")),
+@given(lines=st.lists(st.one_of(st.text(LINE_CHARS, max_size=6).map(str.encode), st.just(b"\xc3\x28")),
                       max_size=14),
        eols=st.lists(EOLS, min_size=14, max_size=14), trailing=st.booleans(), data=st.data(),
        mode=st.sampled_from(["lines", "paragraphs"]))

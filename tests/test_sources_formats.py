@@ -113,13 +113,106 @@ def test_json_array_errors_name_the_element(tmp_path):
     got = list(read_documents(str(path), SourceConfig(on_error="skip")))
     assert got == ["a", "b", Skip(str(path), "element 3", "missing_field", "no 'text' key; keys are 'body'"),
                    Skip(str(path), "element 4", "non_string_field", "'text' is a number"), "e"]
-    # a malformed element ends the file: what follows cannot be found reliably
-    path.write_text('[{"text": "a"}, {"text": },\n {"text": "c"}]')
+    # a malformed element is skipped, counted, and the elements after it are read
+    path.write_text('[{"text": "a"}, {"text": },\n {"text": "c"}, {"text": "d" "x"}, tru, {"text": "f"}]')
     got = list(read_documents(str(path), SourceConfig(on_error="skip")))
-    assert got[0] == "a" and len(got) == 2 and (got[1].where, got[1].reason) == ("element 2", "malformed_json")
+    assert got == ["a", Skip(str(path), "element 2", "malformed_json",
+                             "Expecting value at character 10 of the element, byte 25 of the file"),
+                   "c", Skip(str(path), "element 4", "malformed_json",
+                             "Expecting ',' delimiter at character 14 of the element, byte 57 of the file"),
+                   Skip(str(path), "element 5", "malformed_json",
+                        "Expecting value at character 1 of the element, byte 63 of the file"), "f"]
     path.write_text('[{"text": "a"}')
     assert [getattr(x, "detail", x) for x in read_documents(str(path), SourceConfig(on_error="skip"))] == [
         "a", "the array is not closed (the file ends)"]
+    path.write_text('[{"text": "a"}, {"text": "b')  # cut inside an element: that one skipped
+    assert [getattr(x, "where", x) for x in read_documents(str(path), SourceConfig(on_error="skip"))] == [
+        "a", "element 2"]
+
+
+def test_a_bad_json_array_element_under_skip_is_counted_and_the_rest_prepared(tmp_path):
+    elements = [json.dumps({"text": t}) for t in TEXTS]
+    for i in (3, 4, 17, 39):  # malformed, each on its own: the rest must still be read
+        elements[i] = ['{"text": }', '{"text": "a" "b"}', "{'text': 'single quotes'}", 'tru'][i % 4]
+    path = tmp_path / "data.json"
+    path.write_text("[\n" + ",\n".join(elements) + "\n]\n")
+    want = [t for i, t in enumerate(TEXTS) if i not in (3, 4, 17, 39)]
+    assert prepared(path, "--on-error", "skip", cwd=tmp_path) == want
+    manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
+    assert (manifest["num_documents"], manifest["skipped"]["by_reason"]) == (36, {"malformed_json": 4})
+    assert [e["where"] for e in manifest["skipped"]["examples"]] == [
+        "element 4", "element 5", "element 18", "element 40"]
+    err = refused(path, cwd=tmp_path)
+    assert f"{path}, element 4: malformed JSON (Expecting" in err and ", byte " in err, err
+
+
+@pytest.mark.parametrize("text,where", [
+    ('[{"text": "a"} {"text": "b"}, {"text": "c"}]', "after element 1 (byte 15): malformed JSON "
+                                                     "(expected ',' or ']', found '{')"),
+    ('[{"text": "a"}, {"text": "b"], {"text": "c"}]', "element 2 (byte 28): malformed JSON "
+                                                      "(']' closes '{')"),
+    ('[{"text": "a"}] [{"text": "b"}]', "after the array (byte 16): malformed JSON (text after "
+                                        "its closing ']': '[')")])
+def test_a_json_array_whose_elements_cannot_be_told_apart_fails_under_skip_too(tmp_path, text, where):
+    path = tmp_path / "data.json"
+    path.write_text(text)
+    err = refused(path, "--on-error", "skip", cwd=tmp_path)
+    assert f"{path}, {where}; the elements after it cannot be found, so the file cannot be read " \
+           "past it (under --on-error skip too): fix the file" in err, err
+    assert err.count("\n") == 1
+
+
+BAD_ELEMENTS = st.sampled_from(['{"text": }', '{"text": "a" "b"}', "{'text': 'x'}", "tru",
+                                '{"text": "\\q"}', "[1 2]", '{"a": [1, {"b": }]}', "+1"])
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(values=st.lists(st.one_of(st.text(min_size=1, max_size=8).map(lambda t: {"text": t}),
+                                 BAD_ELEMENTS), min_size=1, max_size=8),
+       indent=st.sampled_from(["", "\n  "]), chunk=st.sampled_from([1, 2, 3, 5, 64]))
+def test_json_array_malformed_elements_are_skipped_alone_at_any_read_size(tmp_path, monkeypatch,
+                                                                          values, indent, chunk):
+    monkeypatch.setattr(tabular, "_CHUNK", chunk)
+    path = tmp_path / "a.json"
+    path.write_text("[" + indent + ("," + indent).join(
+        json.dumps(v) if isinstance(v, dict) else v for v in values) + "]")
+    got = list(tabular.read_json_array(str(path), SourceConfig(), partial(problem, str(path), "skip")))
+    assert [g if isinstance(g, Doc) else (g.where, g.reason) for g in got] == [
+        Doc(v["text"], n) if isinstance(v, dict) else (f"element {n}", "malformed_json")
+        for n, v in enumerate(values, 1)]
+
+
+def test_a_file_tokenmill_does_not_read_is_named_for_what_it_is_with_what_to_do(tmp_path):
+    import gzip
+    (tmp_path / "in").mkdir()
+    files = {"u16.txt": "hello\nworld\n".encode("utf-16"),  # with a byte-order mark
+             "u16.csv": "text\nhello\n".encode("utf-16-le"),  # without one
+             "one.json": json.dumps({"version": 1, "data": [{"text": "a"}]}, indent=2).encode(),
+             "arr.json.gz": gzip.compress(json.dumps([{"text": "a"}, {"text": "b"}]).encode()),
+             "fine.jsonl": b'{"text": "kept"}\n'}
+    for name, data in files.items():
+        (tmp_path / "in" / name).write_bytes(data)
+    says = {"u16.txt": "invalid UTF-8 (UTF-16 text, little-endian with byte-order mark FF FE; "
+                       "convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8 {p} > {d}/u16.utf8.txt)",
+            "u16.csv": "invalid UTF-8 (UTF-16 text, little-endian without a byte-order mark; "
+                       "convert it to UTF-8, e.g. iconv -f UTF-16LE -t UTF-8 {p} > {d}/u16.utf8.csv)",
+            "one.json": "malformed JSON (one JSON object spread over several lines, not JSON "
+                        "Lines or an array of objects: a .json is read as one object per line or "
+                        "as one top-level array of objects; convert it to JSON Lines, e.g. "
+                        "jq -c '.KEY[]' for the records under KEY, or jq -c . for one record)",
+            "arr.json.gz": "malformed JSON (a JSON array, not JSON Lines: a compressed .json is "
+                           "read as JSON Lines (one object per line), an array only from a plain "
+                           ".json; decompress it, or convert it with jq -c '.[]')"}
+    for name, what in says.items():
+        path = tmp_path / "in" / name
+        err = refused(path, cwd=tmp_path)
+        assert err == (f"tokenmill prepare: error: {path}: " + what.format(p=path, d=path.parent)
+                       + "; fix or remove the file, or pass --on-error skip\n"), err
+    assert prepared(tmp_path / "in", "--on-error", "skip", cwd=tmp_path) == ["kept"]
+    manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
+    assert manifest["skipped"]["by_reason"] == {"malformed_json": 2, "invalid_utf8": 2}
+    assert {(e["path"].rpartition("/")[2], e["where"]) for e in manifest["skipped"]["examples"]} == {
+        (name, "file") for name in says}
 
 
 def test_json_array_memory_is_one_element_not_the_file(tmp_path):
@@ -138,13 +231,35 @@ def test_json_array_memory_is_one_element_not_the_file(tmp_path):
 
 # ---- .csv / .tsv -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,delimiter", [("data.csv", ","), ("data.tsv", "\t")])
-def test_csv_and_tsv_with_quoted_newlines_are_prepared(tmp_path, name, delimiter):
-    path = write_csv(tmp_path / name, TEXTS, delimiter=delimiter, bom=True)
+def test_csv_with_quoted_newlines_is_prepared(tmp_path):
+    path = write_csv(tmp_path / "data.csv", TEXTS, bom=True)
     assert b"\nsecond line\r\nthird" in path.read_bytes()  # a quoted newline inside a field
     assert prepared(path, cwd=tmp_path) == TEXTS
-    write_csv(path, TEXTS, delimiter=delimiter, key="content", lineterminator="\n")
+    write_csv(path, TEXTS, key="content", lineterminator="\n")
     assert list(read_documents(str(path), SourceConfig(text_key="content"))) == TEXTS
+
+
+def test_tsv_is_read_without_quoting_one_line_one_row(tmp_path):
+    # quotes are text in a TSV (IANA; pandas sep="\t", quoting=QUOTE_NONE): a field starting
+    # with '"' must not swallow the rows after it
+    texts = [f'"doc {i} starts with a quote' if i % 4 == 0 else f'doc {i} says "hi" and \'bye\''
+             for i in range(30)]
+    lines = ["id\ttext"] + [f"{i}\t{t}" for i, t in enumerate(texts)]
+    lines[8] += "\textra"  # row 8: 3 fields (a tab inside the text), counted, never glued on
+    path = tmp_path / "data.tsv"
+    path.write_bytes(("\r\n".join(lines[:20]) + "\n\n" + "\n".join(lines[20:]) + "\n").encode())
+    import pandas
+    want = pandas.read_csv(path, sep="\t", quoting=csv.QUOTE_NONE, on_bad_lines="skip",
+                           keep_default_na=False)["text"].tolist()
+    assert want == texts[:7] + texts[8:]
+    assert prepared(path, "--on-error", "skip", cwd=tmp_path) == want
+    manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
+    assert (manifest["num_documents"], manifest["skipped"]["by_reason"]) == (29, {"malformed_row": 1})
+    assert [(e["where"], e["detail"]) for e in manifest["skipped"]["examples"]] == [
+        ("row 8 (line 9)", "3 fields, the header has 2; a TSV field cannot hold a tab (it has no "
+                           "quoting)")]
+    err = refused(path, cwd=tmp_path)
+    assert f"{path}, row 8 (line 9): malformed row (3 fields, the header has 2" in err, err
 
 
 def test_csv_missing_column_names_the_columns(tmp_path):
@@ -390,7 +505,14 @@ def test_json_array_reads_the_same_at_any_read_size(tmp_path, monkeypatch, value
 def test_csv_reads_the_same_at_any_read_size(tmp_path, monkeypatch, texts, delimiter, eol, chunk):
     monkeypatch.setattr(tabular, "_CHUNK", chunk)
     texts = [t.replace("\r", "\n").replace("\0", " ") for t in texts]  # csv.writer writes "\r" bare
-    path = write_csv(tmp_path / "a.csv", texts, delimiter=delimiter, lineterminator=eol)
     fmt = "tsv" if delimiter == "\t" else "csv"
+    if fmt == "csv":
+        path = write_csv(tmp_path / "a.csv", texts, lineterminator=eol)
+    else:  # no quoting: a field holds neither tab nor newline, and is written as it is
+        texts = [t.replace("\t", " ").replace("\n", " ") for t in texts]
+        path = tmp_path / "a.tsv"
+        path.write_text("".join(f"{i}\t{t}\ttest{eol}" for i, t in
+                                enumerate(["text", *texts], -1)).replace("-1\ttext\ttest", "id\ttext\tsource"),
+                        encoding="utf-8", newline="")
     got = list(tabular.read_csv(str(path), fmt, SourceConfig(), partial(problem, str(path), "skip")))
     assert got == [Doc(t, n) for n, t in enumerate(texts, 1)]  # rows numbered after the header

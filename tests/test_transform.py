@@ -8,6 +8,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +87,7 @@ def cli(site: Path, *args, env=None, wait=True):
     """The real `tokenmill` command in ``site``, its transform module on PYTHONPATH."""
     path = os.pathsep.join([str(site / "mods"), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path, **(env or {})}
+    env = {k: v for k, v in env.items() if v is not None}  # None: unset
     argv = [str(TOKENMILL), *map(str, args)]
     if not wait:
         return subprocess.Popen(argv, cwd=site, env=env, stderr=subprocess.DEVNULL)
@@ -321,3 +323,176 @@ def test_csv_rows_and_json_array_elements_reach_the_transform_whole(site):
     assert r.returncode == 0, r.stderr
     csv_docs = ["<user> " + x["q"] + " <bot> " + x["a"] for x in rows[:12]]
     assert texts_of(site / "s") == csv_docs + expected(rows[12:])
+
+
+# ---- a transform is known by what it does (issue 22.1) -------------------------------------
+
+HELPED = '''
+import os
+import sys
+import time
+
+from helpers import render
+
+PREFIX = "<user> "
+
+
+def chat(record):
+    if os.environ.get("SLOW_TRANSFORM"):
+        time.sleep(0.002)
+    return render(PREFIX, record)
+
+
+def leave(record):
+    if record["q"] == "question 50":
+        sys.exit(0)
+    return record["q"]
+'''
+HELPERS = '''
+SEPARATOR = " <bot> "
+
+
+def render(prefix, record):
+    return prefix + record["q"] + SEPARATOR + record["a"]
+'''
+CHAOS = '''
+import random
+
+TEMPLATES = ["<user> {q} <bot> {a}", "User: {q}\\nAssistant: {a}", "Q: {q} A: {a}"]
+
+
+def template(record):
+    """A random chat template: another text for the same record at each call."""
+    return random.choice(TEMPLATES).format(**record)
+
+
+def bag(record):
+    """The same text within a process, another in the next: a set's order follows hash(str)."""
+    return " ".join({*record["q"].split(), *record["a"].split(), "a", "b", "c", "d"})
+'''
+
+
+def helped(site: Path) -> list[str]:
+    """Write the transform modules beside the corpus; what chat makes of records(1000)."""
+    (site / "mods" / "fmtc.py").write_text(HELPED)
+    (site / "mods" / "helpers.py").write_text(HELPERS)
+    (site / "mods" / "chaos.py").write_text(CHAOS)
+    rows = records(1000)
+    write_records(site / "x.jsonl", rows)
+    return ["<user> " + x["q"] + " <bot> " + x["a"] for x in rows]
+
+
+@pytest.mark.parametrize("module,old,new", [
+    ("fmtc.py", 'PREFIX = "<user> "', 'PREFIX = "<human> "'),  # a constant beside the function
+    ("helpers.py", 'SEPARATOR = " <bot> "', 'SEPARATOR = " <assistant> "')])  # another module
+def test_a_resume_after_the_transform_behaves_otherwise_is_refused(site, module, old, new):
+    want = helped(site)
+    kill_after_first_commit(script(site, "s", transform="fmtc:chat", wait=False,
+                                   env={"SLOW_TRANSFORM": "1"}), site / "s")
+    path = site / "mods" / module
+    path.write_text(path.read_text().replace(old, new))  # chat's own source is unchanged
+    r = script(site, "s", transform="fmtc:chat")
+    assert r.returncode != 0 and "holds an unfinished prepare with other settings" in r.stderr, \
+        r.stderr
+    assert "(transform: 'fmtc:chat (source xxh3 " in r.stderr and " sample records xxh3 " in r.stderr
+    path.write_text(path.read_text().replace(new, old))  # as it was: the run resumes, one version
+    r = script(site, "s", transform="fmtc:chat")
+    assert r.returncode == 0, r.stderr
+    assert texts_of(site / "s") == want
+
+
+def test_a_transform_that_is_not_deterministic_is_refused_and_a_split_accounts_for_every_document(site):
+    helped(site)
+    for args in (("--val-fraction", 0.2), ()):  # a random template: refused before anything is written
+        r = cli(site, "prepare", "x.jsonl", "--out", "sp", "--transform", "chaos:template", *args)
+        assert r.returncode == 2 and re.search(
+            r"error: transform chaos:template is not deterministic: given the same record 3 "
+            r"times \(x\.jsonl:\d+\) it returned '.*', then '.*'; ", r.stderr), r.stderr
+        assert "draw any randomness from the record itself" in r.stderr
+        assert not list(site.glob("sp/**/manifest.json"))
+    # the same text within a process, another in each worker process: caught by the accounts
+    env = {"PYTHONHASHSEED": None}  # unset: each process draws its own
+    r = cli(site, "prepare", "x.jsonl", "--out", "bag", "--transform", "chaos:bag",
+            "--val-fraction", 0.2, "--workers", 2, env=env)
+    assert r.returncode == 2, r.stderr
+    assert "the split does not account for every document: the train store holds " in r.stderr
+    assert "the transform chaos:bag gave some records other texts in the two passes" in r.stderr
+    r = cli(site, "prepare", "x.jsonl", "--out", "bag", "--transform", "chaos:bag",
+            "--val-fraction", 0.2, "--workers", 2, env=env)  # a new process: other sample texts
+    assert r.returncode == 2 and "bag/train: already holds a store prepared with other settings " \
+        "(transform: 'chaos:bag (source xxh3 " in r.stderr, r.stderr
+
+
+STREAM = """
+import sys
+from tokenmill import Loader
+
+loader = Loader.from_text(["x.jsonl"], transform="fmtc:chat", cache_dir="cache", seq_len=64,
+                          batch_size=4, num_workers=1, shuffle_buffer=16)
+seen = bytearray()
+for step, batch in zip(range(int(sys.argv[1])), loader):
+    seen += bytes(t for t in batch["inputs"].ravel().tolist() if t < 256)
+loader.close()
+print(seen.count(b"<bot>"), seen.count(b"<assistant>"))
+"""
+
+
+def test_a_streaming_cache_made_by_a_transform_that_behaves_otherwise_is_not_reused(site):
+    helped(site)
+    (site / "stream.py").write_text(STREAM)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site / "mods"),
+                                                         os.environ.get("PYTHONPATH", "")])}
+
+    def stream(steps: int) -> list[int]:
+        r = subprocess.run([sys.executable, "stream.py", str(steps)], cwd=site, env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return [int(x) for x in r.stdout.split()]
+
+    bot, assistant = stream(600)  # more than one pass: the cache is complete
+    assert bot > 0 and assistant == 0 and len(list((site / "cache").glob("*/manifest.json"))) == 1
+    helpers = site / "mods" / "helpers.py"
+    helpers.write_text(HELPERS.replace('" <bot> "', '" <assistant> "'))
+    bot, assistant = stream(20)
+    assert bot == 0 and assistant > 0  # tokenized anew, never the stale cache
+    assert len([p for p in (site / "cache").glob("stream-*") if p.is_dir()]) == 2
+
+
+def test_a_transform_calling_sys_exit_fails_naming_it_and_the_record(site):
+    helped(site)
+    for workers in (1, 2):
+        r = cli(site, "prepare", "x.jsonl", "--out", f"s{workers}", "--transform", "fmtc:leave",
+                "--workers", workers, "--on-error", "skip")
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.endswith("tokenmill prepare: error: x.jsonl:51: transform fmtc:leave "
+                                 "called sys.exit(0); a transform returns the text, or None to "
+                                 "drop the record, or raises an exception: fix the transform\n"), \
+            r.stderr
+        assert not (site / f"s{workers}" / "manifest.json").exists()
+
+
+# ---- the same checks with a transform as without (issue 22.4) ------------------------------
+
+def test_records_given_to_a_transform_are_checked_as_documents_are(site):
+    (site / "bad.csv").write_bytes(b"q,a\nquestion 0,answer 0\nquestion 1,bad \xff byte\n"
+                                   b"question 2,answer 2\n")
+    (site / "dup.csv").write_text("q,a,a\nquestion 0,first,second\n")
+    pq.write_table(pa.table([pa.array(["question 0"]), pa.array(["first"]), pa.array(["second"])],
+                            names=["q", "a", "a"]), site / "dup.parquet")
+    (site / "bad.json").write_bytes(b'[{"q": "question 0", "a": "answer 0"}, '
+                                    b'{"q": "question 1", "a": "bad \xff byte"}]')
+    for name, says in [("bad.csv", "bad.csv, row 2 (line 3): invalid UTF-8 (byte 0xff at "
+                                   "character 5 of 'a')"),
+                       ("dup.csv", "dup.csv: malformed row (the header names column 'a' 2 "
+                                   "times; rename all but one)"),
+                       ("bad.json", "bad.json, element 2: invalid UTF-8 (byte 0xff at "
+                                    "character 5 of 'a')"),
+                       ("dup.parquet", "dup.parquet: malformed row (the schema names column 'a' "
+                                       "2 times; rename all but one)")]:
+        for args in (("--text-key", "a"), ("--transform", "fmt:chat")):
+            r = cli(site, "prepare", name, "--out", "s", *args)
+            assert r.returncode == 2 and says in r.stderr, (args, r.stderr)
+    for args in (("--text-key", "a"), ("--transform", "fmt:chat")):
+        r = cli(site, "prepare", "bad.csv", "--out", "s", "--on-error", "skip", "--overwrite", *args)
+        assert r.returncode == 0 and "skipped 1 (invalid_utf8 1)" in r.stderr, r.stderr
+        assert len(texts_of(site / "s")) == 2 and not any("\ufffd" in t for t in texts_of(site / "s"))

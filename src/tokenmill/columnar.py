@@ -86,7 +86,7 @@ def read_parquet(path: str, start: int, stop: int, config: SourceConfig,
     key = config.text_key
     with _parquet(path, config.storage_options) as pf:
         md = pf.metadata
-        problem = (None if config.records else _column_problem(pf.schema_arrow, key)) \
+        problem = _schema_problem(pf.schema_arrow, key, config.records) \
             if md.num_rows else ("empty_file", "0 rows")
         if problem:
             if start == 0:
@@ -115,7 +115,7 @@ def read_arrow(path: str, start: int, stop: int, config: SourceConfig,
     """The documents of record batches [start, stop) of an Arrow IPC stream (stop -1: to the end)."""
     key = config.text_key
     with _arrow_stream(path, config.storage_options) as reader:
-        if not config.records and (problem := _column_problem(reader.schema, key)):
+        if problem := _schema_problem(reader.schema, key, config.records):
             if start == 0:
                 yield report("file", *problem)
             return
@@ -155,6 +155,17 @@ def _column_docs(texts: list, row: int, part: str, key: str, report: Report) -> 
         yield Doc(text, row + i + 1) if text else report(f"row {row + i + 1} ({part})", *(
             ("empty_document", f"{key!r} is empty") if text == "" else
             ("non_string_field", f"{key!r} is null")))
+
+
+def _schema_problem(schema, key: str, records: bool) -> tuple[str, str] | None:
+    """What is wrong with a file's columns: the text column named twice (with a transform, which
+    gets rows by column name, any column), or (without one) missing or not strings."""
+    names = schema.names
+    for name in (names if records else [key]):
+        if names.count(name) > 1:
+            return "malformed_row", (f"the schema names column {name!r} {names.count(name)} "
+                                     "times; rename all but one")
+    return None if records else _column_problem(schema, key)
 
 
 def _column_problem(schema, key: str) -> tuple[str, str] | None:

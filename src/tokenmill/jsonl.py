@@ -19,9 +19,50 @@ from functools import partial
 
 from tokenmill.records import Doc, Record, Skip, SourceConfig
 
-__all__ = ["json_reader", "jsonl_docs", "jsonl_records", "kind"]
+__all__ = ["NOT_JSON_LINES", "json_reader", "jsonl_docs", "jsonl_records", "kind", "one_value"]
 
 _WS = " \t\r\f\v"  # what a blank line may hold
+# what a file holding one JSON value (``one_value``) is told, by the value's kind
+NOT_JSON_LINES = {
+    "object": "one JSON object spread over several lines, not JSON Lines or an array of objects: "
+              "a .json is read as one object per line or as one top-level array of objects; "
+              "convert it to JSON Lines, e.g. jq -c '.KEY[]' for the records under KEY, or jq -c "
+              ". for one record",
+    "array": "a JSON array, not JSON Lines: a compressed .json is read as JSON Lines (one object "
+             "per line), an array only from a plain .json; decompress it, or convert it with "
+             "jq -c '.[]'"}
+
+
+def one_value(head: bytes, whole: bool) -> str | None:
+    """"array" or "object" when a file's first bytes show one JSON value rather than JSON Lines:
+    one pretty-printed (its first line the bracket alone, as json.dump(indent=…) and jq write it,
+    and its next line no whole object), or an array of objects on one line (the whole file, or a
+    line longer than ``head``); None otherwise. ``whole``: ``head`` is the whole file.
+
+    one_value(b'{\\n  "data": [\\n', whole=False) == "object"
+    """
+    head = head.removeprefix(b"\xef\xbb\xbf").lstrip(b" \t\r\n")
+    kind = {b"[": "array", b"{": "object"}.get(head[:1])
+    lines = [line for line in (raw.strip(b" \t\r") for raw in head.split(b"\n")) if line]
+    if kind is None:
+        return None
+    if lines[0] in (b"[", b"{"):
+        return kind if len(lines) < 2 or type(_value(lines[1])) is not dict else None
+    if kind != "array" or not head.startswith(b"[{"):
+        return None
+    if b"\n" not in head and not whole:
+        return "array"  # a first line longer than the head
+    value = _value(lines[0])
+    return "array" if whole and len(lines) == 1 and type(value) is list and value and \
+        type(value[0]) is dict else None
+
+
+def _value(line: bytes):
+    """A line's JSON value; None if it is not one."""
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        return None
 
 
 def jsonl_docs(blocks, key: str, report, base, first: int) -> Iterator[Doc | Skip]:

@@ -19,10 +19,12 @@ documents of the whole file. A ``.txt`` in file mode is one unit (``stop=-1``: t
 Compressed streams (``.jsonl.gz``, ``.jsonl.zst``) cannot seek, so one pass decompresses the file
 in 1 MiB blocks and cuts it after the first "\\n" at or past every ``unit_bytes`` of *decompressed*
 text (``cuts``): a range is [start, stop) of decompressed bytes holding whole lines, with the number
-of lines before it (so errors name the line). An empty or binary stream, and what follows a read
-error, is one range to the end (``stop=-1``). Reading a range decompresses from the start and drops
-what precedes it, unless the caller hands in its bytes (``decompress.StreamPayloads`` reads every
-range of a file in one sequential pass: what prepare's parent process ships to its workers).
+of lines before it (so errors name the line). An empty, binary or UTF-16 stream, one JSON value
+(an array or a pretty-printed object: a compressed .json is JSON Lines; its reader says how to
+convert it), and what follows a read error, is one range to the end (``stop=-1``). Reading a
+range decompresses from the start and drops what precedes it, unless the caller hands in its
+bytes (``decompress.StreamPayloads`` reads every range of a file in one sequential pass: what
+prepare's parent process ships to its workers).
 
 Memory stays bounded by a block plus the longest line. A line too long to hold in memory (a
 ``MemoryError``) is an ``InputError`` naming the file and line under either policy: what a store
@@ -46,9 +48,9 @@ import numpy as np
 from tokenmill.decompress import open_stream, skip_bytes
 from tokenmill.errors import InputError
 from tokenmill.io import file_size, open_binary
-from tokenmill.jsonl import json_reader
+from tokenmill.jsonl import NOT_JSON_LINES, json_reader, one_value
 from tokenmill.records import (COMPRESSED, Doc, LineCount, Report, Skip, SourceConfig,
-                               Unit, format_of, io_errors, unit_lines_relative)
+                               Unit, format_of, io_errors, not_text, unit_lines_relative)
 
 _CHUNK = 1 << 20  # read 1 MiB blocks of whole lines: memory stays bounded whatever unit_bytes is
 _SNIFF = 8192  # a NUL byte in the first 8 KiB of content marks a binary file
@@ -71,12 +73,13 @@ def plan_ranges(path: str, config: SourceConfig) -> list[tuple[int, int]]:
 def plan_stream(path: str, fmt: str, config: SourceConfig) -> tuple[list[Range], BaseException | None]:
     """Ranges of a compressed stream from one pass over it, and the read error that ended the
     pass early, if any (then the last range runs to the end, stop -1: its reader meets the error
-    again). An empty or binary stream is one range (0, -1, 0), which its reader reports."""
+    again). An empty or binary stream, or one JSON value, is one range (0, -1, 0), which its
+    reader reports."""
     ranges, start, line = [], 0, 0
     try:
         with open_stream(path, fmt, config.storage_options) as f:
             head = f.read(_SNIFF)
-            if _sniff(head):
+            if _stream_problem(head, path):
                 return [(0, -1, 0)], None
             for stop, lines in cuts(_chunks(f, head), config.unit_bytes):
                 ranges.append((start, stop, line))
@@ -185,7 +188,7 @@ def _plain_docs(unit: Unit, fmt: str, config: SourceConfig, report: Report, payl
     start, stop, mode = unit.start, unit.stop, config.txt_mode
     with open_binary(unit.path, config.storage_options) as f:
         head = f.read(_SNIFF)
-        if problem := _sniff(head):
+        if problem := _sniff(head, unit.path):
             if start == 0:  # a file-level problem: reported once, by the first unit
                 yield report("file", *problem)
             return
@@ -218,7 +221,8 @@ def _stream_docs(unit: Unit, fmt: str, config: SourceConfig, report: Report, pay
         head = b""
         if unit.start == 0:
             head = f.read(_SNIFF if limit < 0 else min(_SNIFF, limit))
-            if problem := _sniff(head):
+            # one JSON value: planned as one range to the end, as plan_stream saw it
+            if problem := (_stream_problem if limit < 0 else _sniff)(head, unit.path):
                 yield report("file", *problem)
                 return
         line = unit.line
@@ -229,11 +233,18 @@ def _stream_docs(unit: Unit, fmt: str, config: SourceConfig, report: Report, pay
         yield from json_reader(config)(blocks, config.text_key, report, base, line or 0)
 
 
-def _sniff(head: bytes) -> tuple[str, str] | None:
-    """A file-level problem seen in the first bytes: empty, or binary (a NUL byte)."""
-    if not head:
-        return "empty_file", "0 bytes"
-    return ("binary_file", f"NUL byte at offset {head.index(0)}") if b"\0" in head else None
+def _stream_problem(head: bytes, path: str) -> tuple[str, str] | None:
+    """``_sniff``, and one JSON value (``one_value``): a compressed stream is JSON Lines."""
+    if problem := _sniff(head, path):
+        return problem
+    if value := one_value(head, whole=len(head) < _SNIFF):
+        return "malformed_json", NOT_JSON_LINES[value]
+    return None
+
+
+def _sniff(head: bytes, path: str) -> tuple[str, str] | None:
+    """A file-level problem seen in the first bytes: empty, UTF-16/32 or binary (``not_text``)."""
+    return ("empty_file", "0 bytes") if not head else not_text(head, path)
 
 
 def _too_long(path: str, track: _Track) -> InputError:

@@ -36,7 +36,9 @@ format joins ``unit_lines_relative``.
 
 from __future__ import annotations
 
+import codecs
 import os
+import shlex
 import sys
 import zlib
 from collections.abc import Callable, Mapping
@@ -68,6 +70,10 @@ _WHAT = {"malformed_json": "malformed JSON", "missing_field": "missing field",
          "held_out": "held out for the other side of the split", "malformed_row": "malformed row"}
 _FILE_HINT = {"no_match": "check the path or pattern", "unreadable": "check that it exists and is readable",
               "missing_field": "choose the column with --text-key"}
+# byte-order marks of encodings other than UTF-8 (UTF-32 first: its LE mark starts as UTF-16's)
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32", "little-endian"),
+         (b"\x00\x00\xfe\xff", "UTF-32", "big-endian"),
+         (b"\xff\xfe", "UTF-16", "little-endian"), (b"\xfe\xff", "UTF-16", "big-endian"))
 
 
 class Doc(NamedTuple):
@@ -208,6 +214,62 @@ def io_errors() -> tuple[type[BaseException], ...]:
 def describe(e: BaseException) -> str:
     """An exception as "Type: message", for details: describe(OSError("x")) == "OSError: x"."""
     return f"{type(e).__name__}: {e}"
+
+
+def not_text(head: bytes, path: str) -> tuple[str, str] | None:
+    """What the first bytes of a file say it is when it is not UTF-8 text: UTF-16 or UTF-32 (a
+    byte-order mark, or ASCII with one byte of each pair NUL), or binary (another NUL byte); None
+    otherwise. A (reason, detail) pair for ``problem``.
+
+    not_text(b"\\xff\\xfeh\\x00i\\x00", "a.txt")[1].startswith("UTF-16 text, little-endian")
+    """
+    found = _marked(head) or (_utf16_unmarked(head) if b"\0" in head else None)
+    if found:
+        name, iconv, how = found
+        return "invalid_utf8", f"{name} text, {how}; {_convert(path, iconv)}"
+    if b"\0" in head:
+        return "binary_file", f"NUL byte at offset {head.index(0)}"
+    return None
+
+
+def _marked(head: bytes) -> tuple[str, str, str] | None:
+    """(encoding, iconv's name, how) of text after a UTF-16/32 byte-order mark; None if the
+    bytes after the mark are not that encoding, or are UTF-8 text (FF FE is never UTF-8)."""
+    for bom, name, order in _BOMS:
+        rest = head[len(bom):]
+        if head.startswith(bom) and _decodes(rest, f"{name}-{order[0].upper()}E") and not (
+                _decodes(rest, "utf-8") and b"\0" not in rest):
+            return name, name, f"{order} with byte-order mark {bom.hex(' ').upper()}"
+    return None
+
+
+def _utf16_unmarked(head: bytes) -> tuple[str, str, str] | None:
+    """UTF-16 without a byte-order mark, as ASCII text makes it: one byte of each pair NUL."""
+    even, odd = head[0::2], head[1::2]
+    for iconv, order, nul, text in (("UTF-16LE", "little", odd, even),
+                                    ("UTF-16BE", "big", even, odd)):
+        if len(head) >= 8 and nul.count(0) >= 0.9 * len(nul) and 0 not in text:
+            return "UTF-16", iconv, f"{order}-endian without a byte-order mark"
+    return None
+
+
+def _decodes(data: bytes, encoding: str) -> bool:
+    """Whether ``data`` (the start of a file, perhaps cut inside a character) is in ``encoding``."""
+    try:
+        codecs.getincrementaldecoder(encoding)().decode(data, final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _convert(path: str, encoding: str) -> str:
+    """How to convert a file to UTF-8 with iconv (a compressed one through a pipe)."""
+    if format_or_none(path) in COMPRESSED:
+        return f"convert it to UTF-8: decompress it, iconv -f {encoding} -t UTF-8, compress it"
+    stem, dot, ext = path.rpartition(".")
+    out = f"{stem}.utf8.{ext}" if dot and "/" not in ext else f"{path}.utf8"
+    return (f"convert it to UTF-8, e.g. iconv -f {encoding} -t UTF-8 {shlex.quote(path)} > "
+            f"{shlex.quote(out)}")
 
 
 def problem(path: str, on_error: str, where: str, reason: str, detail: str) -> Skip:

@@ -213,7 +213,7 @@ def _unit_docs(unit: Unit, fmt: str, config: SourceConfig, report, payload: byte
             docs = _COLUMNAR[fmt][1](unit.path, unit.start, unit.stop, config, report)
         elif fmt in tabular.FORMATS and _whole_record_file(unit, fmt, config):
             docs = (tabular.read_csv(unit.path, fmt, config, report) if fmt != "json"
-                    else tabular.read_json_array(unit.path, config, report))
+                    else tabular.read_json(unit.path, config, report))
         else:  # a .json that is not an array is JSON Lines
             docs = readers.read_text(unit, "jsonl" if fmt == "json" else fmt, config, report,
                                      payload, count)
@@ -226,9 +226,9 @@ def _unit_docs(unit: Unit, fmt: str, config: SourceConfig, report, payload: byte
 
 
 def _whole_record_file(unit: Unit, fmt: str, config: SourceConfig) -> bool:
-    """A CSV/TSV, or a .json array: read whole by tabular (JSON Lines are planned in ranges)."""
+    """A CSV/TSV, or a .json array (or object): read whole by tabular (not JSON Lines)."""
     return fmt != "json" or (unit.stop < 0 and tabular.json_layout(unit.path, config.storage_options)
-                             == "array")
+                             != "lines")
 
 
 def _warn_long_documents(path: str, docs: Iterator[Doc | Skip]) -> Iterator[Doc | Skip]:

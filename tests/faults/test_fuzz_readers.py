@@ -36,7 +36,9 @@ from hypothesis import strategies as st
 from faults.conftest import SIZE, SIZE_NAME, add, record
 from tokenmill import sources
 from tokenmill.errors import InputError, StoreError
+from tokenmill.jsonl import one_value
 from tokenmill.prepare import prepare
+from tokenmill.records import not_text
 from tokenmill.store import TokenStore, read_manifest, verify_store
 from tokenmill.tokenizer import encode_documents, load_tokenizer
 
@@ -151,11 +153,12 @@ def jsonl_file(draw) -> bytes:
 
 
 def file_skip(data: bytes) -> list[tuple] | None:
-    """The one skip of a whole file (empty; binary: a NUL in its first SNIFF bytes), or None."""
+    """The one skip of a whole file (empty; UTF-16/32 or binary by its first SNIFF bytes: the
+    rules of ``records.not_text``), or None."""
     if not data:
         return [("skip", "file", "empty_file")]
-    if b"\0" in data[:SNIFF]:
-        return [("skip", "file", "binary_file")]
+    if problem := not_text(data[:SNIFF], "f"):
+        return [("skip", "file", problem[0])]
     return None
 
 
@@ -184,9 +187,12 @@ def line_oracle(data: bytes, judge: Callable[[str, str], tuple | None]) -> list[
     return [item for item in items if item is not None]
 
 
-def jsonl_oracle(data: bytes, key: str = "text") -> list[tuple]:
+def jsonl_oracle(data: bytes, key: str = "text", compressed: bool = False) -> list[tuple]:
     """What a JSONL file holds, record by record: ("doc", text) or ("skip", where, reason).
-    Stated from the format, not from the reader: one JSON object per "\\n"-terminated line."""
+    Stated from the format, not from the reader: one JSON object per "\\n"-terminated line; a
+    compressed file that is one JSON value instead (``jsonl.one_value``) is one file skip."""
+    if compressed and file_skip(data) is None and one_value(data[:SNIFF], len(data) < SNIFF):
+        return [("skip", "file", "malformed_json")]
     return line_oracle(data, lambda where, line: jsonl_record(where, line, key))
 
 
@@ -346,7 +352,7 @@ def test_fuzz_jsonl_exact_stream_and_only_input_errors(workdir, tokenizers, data
                                                        compression):
     path = workdir / f"f.jsonl{compression}"
     path.write_bytes(compress(data, compression))
-    check(path, jsonl_oracle(data), tokenizers, unit_bytes=unit_bytes)
+    check(path, jsonl_oracle(data, compressed=bool(compression)), tokenizers, unit_bytes=unit_bytes)
 
 
 def compress(data: bytes, compression: str) -> bytes:

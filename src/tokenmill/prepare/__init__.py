@@ -15,8 +15,8 @@ from typing import Any, Callable, Sequence
 
 from tokenmill.errors import ConfigError
 from tokenmill.prepare.pool import UnitPool, ordered_results
-from tokenmill.prepare.split import (SIDES, check_fraction, check_plain_out, check_split_out,
-                                     split_line, split_of, split_paths)
+from tokenmill.prepare.split import (SIDES, check_accounts, check_fraction, check_plain_out,
+                                     check_split_out, split_line, split_of, split_paths)
 from tokenmill.prepare.run import (Progress, Run, file_sizes, prepare_local, report, run_local,
                                    start_run, summary_line, unit_weights)
 from tokenmill.prepare.tokenize import (DEFAULT_SHARD_TOKENS, PrepareConfig, UnitResult,
@@ -102,4 +102,5 @@ def prepare_split(one: Callable[..., dict], out, fraction: float,
                               f"{done[side]['num_documents']:,} falls on the val side; pass a "
                               "larger fraction (and --overwrite to redo the train store)")
         report(f"split: {split_line(split, done[side]['num_documents'])}", progress)
+    check_accounts(done["train"], done["val"])
     return done

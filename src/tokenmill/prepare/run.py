@@ -83,7 +83,7 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
         report(f"note: {listing.ignored}; prepare reads regular files of .txt, .jsonl[.gz|.zst], "
                ".json[.gz|.zst], .csv, .tsv, .parquet, .arrow", progress)
     sizes = file_sizes(files, storage_options)
-    settings = config.settings(inputs, files, sizes)
+    settings = config.settings(inputs, files, sizes, storage_options)
     if "spec" in tok.identity():  # a name: a resume must find the very same file behind it
         settings["tokenizer_file_xxh3"] = tok.identity()["file_xxh3"]
     key = {"settings": settings, "unit_bytes": config.unit_bytes,

@@ -138,6 +138,24 @@ def split_of(manifest: dict) -> dict | None:
     return {"side": holdout[0], "fraction": holdout[1], "held_out": held}
 
 
+def check_accounts(train: dict, val: dict) -> None:
+    """Refuse a split whose two stores do not account for the same documents: what one side
+    kept must be what the other held out (a transform that gives a record two texts puts it on
+    both sides, or on neither)."""
+    kept = {"train": train["num_documents"], "val": val["num_documents"]}
+    held = {"train": split_of(train)["held_out"], "val": split_of(val)["held_out"]}
+    if kept["train"] == held["val"] and kept["val"] == held["train"]:
+        return
+    transform = train.get("settings", {}).get("transform", "").split(" (")[0]
+    why = (f"the transform {transform} gave some records other texts in the two passes (is it "
+           "deterministic in every process? e.g. no set order or hash() of str, no time or "
+           "unseeded random)" if transform else "the inputs changed between the two passes")
+    raise ConfigError(f"the split does not account for every document: the train store holds "
+                      f"{kept['train']:,} and held out {held['train']:,}, the val store holds "
+                      f"{kept['val']:,} and held out {held['val']:,} (each side must hold what "
+                      f"the other held out); {why}: fix that and run again with --overwrite")
+
+
 def split_line(split: dict, documents: int) -> str:
     """One line on a store's side of a split.
 

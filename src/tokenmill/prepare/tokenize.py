@@ -28,7 +28,8 @@ from tokenmill import sources
 from tokenmill.errors import check_int
 from tokenmill.io import CHUNK, filesystem, is_url, redact
 from tokenmill.prepare.split import check_holdout, keep_side
-from tokenmill.prepare.transform import transform_identity, transform_spec, transformed
+from tokenmill.prepare.transform import (sample_records, transform_identity, transform_spec,
+                                         transformed)
 from tokenmill.records import Doc, LineCount
 from tokenmill.tokenizer import Tokenizer, encode_documents, load_tokenizer, token_dtype
 
@@ -71,9 +72,11 @@ class PrepareConfig:
                                     storage_options=storage_options, split=self.split,
                                     records=self.transform is not None)
 
-    def settings(self, inputs: Sequence[str], files: Sequence[str], sizes: dict[str, int]) -> dict:
+    def settings(self, inputs: Sequence[str], files: Sequence[str], sizes: dict[str, int],
+                 storage_options: Mapping | None = None) -> dict:
         """What the manifest records: the config minus display-only fields, plus the inputs
-        (local paths normalised, URLs redacted: ``same_input`` spellings record the same)."""
+        (local paths normalised, URLs redacted: ``same_input`` spellings record the same); a
+        transform by what it does too (replayed on the first records of ``files``)."""
         s = asdict(self)
         s.pop("tokenizer_engine")  # every engine gives identical ids (proven at load time)
         s.pop("unit_bytes")  # how work is split never changes the bytes (the resume key has it)
@@ -81,7 +84,8 @@ class PrepareConfig:
             if s[name] is None:
                 s.pop(name)
         if self.transform is not None:
-            s["transform"] = transform_identity(self.transform)
+            samples = sample_records(files, self.source_config(storage_options))
+            s["transform"] = transform_identity(self.transform, samples)
         if self.holdout is not None:
             s["holdout"] = list(self.holdout)  # as JSON reads it back: the resume key compares
         s["inputs"] = [input_name(i) for i in inputs]

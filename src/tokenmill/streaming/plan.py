@@ -148,7 +148,7 @@ def plan_stream(inputs: str | os.PathLike | Sequence, config: PrepareConfig, tok
                                            storage_options=storage_options, split=config.split)
     sizes = file_sizes(files, storage_options)  # as prepare records them: the same settings
     mtimes = modification_times(files, storage_options)
-    settings = config.settings(inputs, files, sizes)
+    settings = config.settings(inputs, files, sizes, storage_options)
     # the store's bytes depend on these; the cursors in progress files and states on units too
     content = digest({"settings": settings, "mtimes": mtimes,
                       "tokenizer": tokenizer.identity()})[:16]
