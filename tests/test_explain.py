@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import tokenmill
+from tokenmill.cli import main
 from tokenmill.io import json_bytes
 from tokenmill.loader import Loader
 from tokenmill.store.format import MANIFEST_CHECKSUM, SOURCE_KINDS, SOURCES, manifest_checksum
@@ -210,3 +211,98 @@ def test_a_store_made_before_kinds_were_recorded_names_by_extension_and_reads_no
                     want = {"line": f"{p.file}:{p.line}", "row": f"{p.file} row {p.line}"}
                     assert p.kind == KINDS[name] and p.source == want[p.kind], p
     assert kinds == set(KINDS)
+
+
+# ---- the command explains the run that happened --------------------------------------------
+
+@pytest.fixture(scope="module")
+def run(made, tmp_path_factory) -> dict:
+    """A second store, and the state of a packed run of two unnamed stores weighted 0.6/0.4 on
+    rank 1 of 2, saved after 3 steps; what that run's Loader explains for steps 0, 3, 5, 40."""
+    root = tmp_path_factory.mktemp("run")
+    (root / "in2").mkdir()
+    (root / "in2" / "k.jsonl").write_text("".join(json.dumps({"text": text_of(i, "k") * 3})
+                                                  + "\n" for i in range(60)))
+    prepare(root / "in2", root / "other")
+    stores = [str(made / "store"), str(root / "other")]
+    want = {}
+    with Loader(dict(zip(stores, [0.6, 0.4])), seq_len=L, batch_size=B, rank=1, num_workers=0,
+                **PACKED) as ld:
+        it = iter(ld)
+        for _ in range(3):
+            next(it)
+        (root / "state.json").write_text(json.dumps(ld.state_dict()))
+        for step in (0, 3, 5, 40):
+            want[step] = [(str(o.row), o.store, f"{o.draw:,}", p.source) for o in ld.explain(step)
+                          for p in o.pieces]
+    assert {s for rows in want.values() for _, s, _, _ in rows} == set(stores)
+    return {"stores": stores, "state": str(root / "state.json"), "want": want, "root": root}
+
+
+def rows_of(stdout: str) -> list[tuple[str, ...]]:
+    """(row, store, draw, source) of each line ``tokenmill explain`` prints."""
+    fields = [line.split("  ") for line in stdout.splitlines()]
+    return [(f[0].split()[1], f[2].split(" ", 1)[1], f[3].split()[1], f[-1]) for f in fields]
+
+
+def test_explain_with_the_runs_state_gives_the_runs_rows(run):
+    for step, want in run["want"].items():  # was: --state unknown; weights taken as equal
+        code, out, err = tm("explain", *run["stores"], "--state", run["state"], "--step", step,
+                            "--rank", 1)
+        assert code == 0 and err == "", err
+        assert rows_of(out) == want, step
+    # the same run with every setting given instead
+    code, out, err = tm("explain", *run["stores"], "--step", 5, "--rank", 1, "--seq-len", L,
+                        "--batch-size", B, "--layout", "packed", "--max-segments", 2, "--seed", 3,
+                        "--world-size", 2, "--weights", "0.6,0.4")
+    assert code == 0 and rows_of(out) == run["want"][5], err
+
+
+def refusal(capsys, *args) -> str:
+    """The one line ``tokenmill explain`` refuses with (exit 2)."""
+    code = main(["explain", *map(str, args)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    return err.removeprefix("tokenmill explain: error: ").strip()
+
+
+def test_explain_refuses_what_it_cannot_know_in_one_line(run, capsys, tmp_path):
+    a, b = run["stores"]
+    flags = ["--step", 5, "--seq-len", L, "--batch-size", B]
+    every = [*flags, "--seed", 3, "--world-size", 2]
+    # was exit 0: equal weights assumed for unnamed stores, no cap on segments, seed 0, 1 rank
+    assert refusal(capsys, a, b, *every, "--layout", "concat") == (
+        "missing --weights: pass each setting that shaped the run's batches (none is assumed), "
+        "or --state STATE.json (the run's Loader.state_dict() saved as JSON)")
+    assert refusal(capsys, a, b, *every, "--layout", "packed", "--max-segments", 2) \
+        .startswith("missing --weights: ")
+    assert refusal(capsys, a, b, *every, "--layout", "packed", "--weights", "0.6,0.4") \
+        .startswith("missing --max-segments: ")
+    assert refusal(capsys, a, *flags).startswith("missing --layout, --seed, --world-size: ")
+    assert refusal(capsys, a, b, *every, "--layout", "concat", "--weights", "1,2,3") == \
+        "3 weights for 2 stores: give one weight a store, in the order of the stores"
+    assert refusal(capsys, a, b, *every, "--layout", "concat", "--weights", "0.9,x") \
+        .startswith("--weights '0.9,x' is not a list of numbers")
+    assert refusal(capsys, f"web={a}", f"code={b}", *every, "--layout", "concat",
+                   "--weights", "1,1", "--mixture", '[[0, {"web": 1, "code": 1}]]') \
+        .startswith("fixed weights are for unnamed stores")
+    # a state is taken for its own run only
+    state = ["--state", run["state"], "--step", 5, "--rank", 1]
+    assert refusal(capsys, a, b, *state, "--seed", 4).endswith("seed 3 → 4")
+    assert "stores [" in refusal(capsys, b, a, *state)
+    assert "stores [" in refusal(capsys, a, a, *state)
+    saved = json.loads(Path(run["state"]).read_text())
+    old = tmp_path / "old.json"  # the three-key form records no settings
+    old.write_text(json.dumps({k: saved[k] for k in ("version", "consumed_samples",
+                                                     "fingerprint")}))
+    assert refusal(capsys, a, b, "--state", old, "--step", 5) == (
+        f"{old} does not record --seq-len, --batch-size, --layout, --seed, --world-size, "
+        "--weights: pass them as the run had them")
+    assert "fingerprint" in refusal(capsys, a, b, "--state", old, "--step", 5, *every[2:],
+                                    "--layout", "concat", "--weights", "0.6,0.4")
+    stream = tmp_path / "stream.json"
+    stream.write_text(json.dumps({"version": 1, "mode": "stream", "consumed_samples": 8,
+                                  "fingerprint": "x"}))
+    assert refusal(capsys, a, "--state", stream, "--step", 0) == (
+        f"{stream}: a streaming loader's state (mode 'stream'); explain explains a Loader over "
+        "stores: pass a Loader's state")
