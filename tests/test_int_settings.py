@@ -127,7 +127,8 @@ def test_prepare_takes_numpy_integers_and_writes_the_same_store(text, tmp_path):
 
 def test_the_command_line_refuses_a_seed_past_64_bits_in_one_line(store):
     done = subprocess.run([sys.executable, "-m", "tokenmill", "explain", str(store), "--seq-len",
-                           str(L), "--batch-size", "2", "--step", "0", "--seed", str(2**64)],
+                           str(L), "--batch-size", "2", "--step", "0", "--seed", str(2**64),
+                           "--layout", "concat", "--world-size", "1"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [

@@ -98,7 +98,7 @@ def test_mixture_in_python_syntax_is_read_and_nonsense_is_one_line(store, tmp_pa
                 mixture=[(0, {"web": 0.5, "code": 0.5})]) as ld:
         want = [(o.row, o.store, o.draw) for o in ld.explain(1)]
     common = ["web=" + str(store), "code=" + str(store), "--seq-len", 32, "--batch-size", 2,
-              "--step", 1]
+              "--step", 1, "--seed", 0, "--layout", "concat", "--world-size", 1]
     # was a JSONDecodeError traceback: single quotes and tuples are a Python literal, read as one
     code, out, err = tm("explain", *common, "--mixture", "[(0, {'web': 0.5, 'code': 0.5})]")
     assert code == 0, err
@@ -112,7 +112,8 @@ def test_mixture_in_python_syntax_is_read_and_nonsense_is_one_line(store, tmp_pa
 
 def test_explain_refuses_a_negative_step(store):
     # was "step and start must be >= 0 (got step=0, start=-4)": another number than the one given
-    code, _, err = tm("explain", store, "--seq-len", 32, "--batch-size", 4, "--step", -1)
+    code, _, err = tm("explain", store, "--seq-len", 32, "--batch-size", 4, "--step", -1,
+                      "--seed", 0, "--layout", "concat", "--world-size", 1)
     assert code == 2 and one_error_line(err, "explain") == "step must be an int >= 0 (got step=-1)"
     with Loader(store, seq_len=32, batch_size=4) as ld, pytest.raises(ConfigError, match="step=-1"):
         ld.explain(-1)
@@ -124,7 +125,8 @@ def test_a_store_path_holding_an_equals_sign_is_a_store_not_a_name(store, seed3_
     moved.parent.mkdir(parents=True)
     os.rename(store, moved)
     try:
-        code, out, err = tm("explain", moved, "--seq-len", 32, "--batch-size", 2, "--step", 0)
+        code, out, err = tm("explain", moved, "--seq-len", 32, "--batch-size", 2, "--step", 0,
+                            "--seed", 0, "--layout", "concat", "--world-size", 1)
         assert code == 0 and out.startswith("row 0  sample 0  store " + str(moved)), err
         # and a moved store resumes: its path changed, not its content
         code, out, err = tm("resume-check", seed3_state / "state.json", moved)
@@ -145,7 +147,8 @@ def test_every_command_pointed_at_a_split_folder_names_its_two_stores(data, tmp_
     # prepare'" from each of these
     want = (f"{out}: holds the two stores of a --val-fraction split, not one store; use "
             f"{out / 'train'} or {out / 'val'}")
-    for args in (["explain", out, "--seq-len", 32, "--batch-size", 2, "--step", 0],
+    for args in (["explain", out, "--seq-len", 32, "--batch-size", 2, "--step", 0, "--seed", 0,
+                  "--layout", "concat", "--world-size", 1],
                  ["plan", "--seq-len", 32, "--batch-size", 2, "--layout", "packed", "--store", out],
                  ["export", out, "--format", "jsonl", "--out", tmp_path / "x.jsonl"],
                  ["inspect", out, "--seq-len", 32]):

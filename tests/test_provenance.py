@@ -279,7 +279,8 @@ def test_cli_explain_names_file_and_line_and_megatron_still_reads_the_shard(stor
     store = stores["mixed"][0]
     env = {**os.environ, "PYTHONPATH": str(Path(tokenmill.__file__).parents[1])}
     out = subprocess.run([sys.executable, "-m", "tokenmill", "explain", str(store), "--step", "3",
-                          "--seq-len", str(L), "--batch-size", str(B), "--seed", "3"],
+                          "--seq-len", str(L), "--batch-size", str(B), "--seed", "3",
+                          "--layout", "concat", "--world-size", "1"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     rows = out.stdout.splitlines()

@@ -267,7 +267,8 @@ def test_explain_names_the_document_pieces_of_every_row(stores, layout, capsys):
             st.close()
     named = [f"{n}={p}" for n, p in stores.items()]
     assert main(["explain", *named, "--step", "25", "--seq-len", str(L), "--batch-size",
-                 str(B), "--seed", "7", "--layout", layout, "--mixture",
+                 str(B), "--seed", "7", "--layout", layout, "--world-size", "1",
+                 *(["--max-segments", "none"] if layout == "packed" else []), "--mixture",
                  json.dumps(PHASES)]) == 0
     assert "row 0  sample 100  store " in capsys.readouterr().out
 

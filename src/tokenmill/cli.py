@@ -137,6 +137,10 @@ def _int_or_auto(value: str) -> int | str:
     return value if value == "auto" else int(value)
 
 
+def _int_or_none(value: str) -> int | None:
+    return None if value == "none" else int(value)
+
+
 def add_prepare(sub) -> None:
     """``tokenmill prepare``."""
     pp = subcommand(sub, "prepare", run_prepare, "tokenize text files into a token store")
@@ -275,14 +279,19 @@ def add_explain(sub) -> None:
                     "input file and line (or row)")
     pe.add_argument("stores", nargs="+", help="STORE, or NAME=STORE for named stores (in order)")
     pe.add_argument("--step", type=int, required=True, help="the training step (0-based)")
-    pe.add_argument("--seq-len", type=int, required=True, help="as the training Loader has it")
-    pe.add_argument("--batch-size", type=int, required=True, help="per rank, as the Loader has it")
-    pe.add_argument("--layout", choices=["concat", "packed"], default="concat")
-    pe.add_argument("--seed", type=int, default=0, help="the Loader's seed (default 0)")
     pe.add_argument("--rank", type=int, default=0, help="the rank whose rows to explain")
-    pe.add_argument("--world-size", type=int, default=1, help="ranks in the job (default 1)")
-    pe.add_argument("--mixture", default=None, help="named stores: the phases as JSON (or a "
-                    "Python literal)")
+    pe.add_argument("--state", default=None, help="the run's Loader.state_dict() saved as JSON: "
+                    "every setting below as the run had it (else each must be given)")
+    run = dict(default=argparse.SUPPRESS, help="as the run had it (none is assumed)")
+    pe.add_argument("--seq-len", type=int, **run)
+    pe.add_argument("--batch-size", type=int, **{**run, "help": "per rank, as the run had it"})
+    pe.add_argument("--layout", choices=["concat", "packed"], **run)
+    pe.add_argument("--seed", type=int, **run)
+    pe.add_argument("--world-size", type=int, **run)
+    pe.add_argument("--max-segments", type=_int_or_none, **{**run, "help": "packed: N, or none"})
+    pe.add_argument("--weights", **{**run, "help": "several unnamed stores: 0.7,0.3 (in order)"})
+    pe.add_argument("--mixture", **{**run, "help": "named stores: the phases as JSON (or a "
+                                    "Python literal)"})
 
 
 def add_demo(sub) -> None:
@@ -456,12 +465,22 @@ def run_resume_check(args) -> int:
 
 
 def run_explain(args) -> int:
-    """Print the origin of every row of one step, one document piece a line."""
+    """Print the origin of every row of one step of the run, one document piece a line."""
     from tokenmill.loader import Loader
-    source, mixture = _resume_source(args.stores, {"mixture": None}, args.mixture)
-    with Loader(source, seq_len=args.seq_len, batch_size=args.batch_size, layout=args.layout,
-                seed=args.seed, rank=args.rank, world_size=args.world_size, num_workers=0,
-                mixture=mixture) as loader:
+    from tokenmill.mixture import phases_from_text, weights_from_text
+    from tokenmill.resume import RUN_KEYS, read_state, run_settings, same_run
+    state = read_state(args.state) if args.state else {}
+    named = [_named_store(s) for s in args.stores]
+    given = {k: v for k, v in vars(args).items() if k in RUN_KEYS}  # flags not given: absent
+    given |= {k: f(given[k]) for k, f in (("weights", weights_from_text),
+                                         ("mixture", phases_from_text)) if k in given}
+    settings = run_settings(state, given, stores=len(named), named=all(named), where=args.state)
+    weights, mixture = settings.pop("weights", None), settings.pop("mixture", None)
+    source = dict(named) if all(named) else dict(zip(args.stores, weights)) if weights \
+        else args.stores[0]
+    with Loader(source, rank=args.rank, num_workers=0, mixture=mixture, **settings) as loader:
+        if args.state:
+            same_run(state, loader.describe(), loader.fingerprint, args.state)
         for o in loader.explain(args.step):
             for p in o.pieces:
                 print(f"row {o.row}  sample {o.position:,}  store {o.store}  draw {o.draw:,}  "

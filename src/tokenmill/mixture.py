@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from tokenmill.errors import ConfigError, is_int, redact
 
-__all__ = ["Mixture", "described_phases", "mixture_of", "phases_from_text"]
+__all__ = ["Mixture", "described_phases", "mixture_of", "phases_from_text", "weights_from_text"]
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,19 @@ def phases_from_text(text: str) -> list:
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         raise ConfigError(f"--mixture {text!r} is neither JSON nor a Python literal; write the "
                           "phases as [[0, {\"web\": 0.9, \"code\": 0.1}], [80000, {…}]]") from None
+
+
+def weights_from_text(text: str) -> list[float]:
+    """Fixed weights of unnamed stores written on a command line, one a store, in their order
+    (a JSON list too); else a one-line ConfigError.
+
+    weights_from_text("0.7,0.3") == [0.7, 0.3] == weights_from_text("[0.7, 0.3]")
+    """
+    try:
+        return [float(w) for w in text.strip().removeprefix("[").removesuffix("]").split(",")]
+    except ValueError:
+        raise ConfigError(f"--weights {text!r} is not a list of numbers; write one weight a "
+                          "store, in the order of the stores: --weights 0.7,0.3") from None
 
 
 def described_phases(mix: Mixture) -> list[list]:

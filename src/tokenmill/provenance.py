@@ -7,14 +7,19 @@ loss spike at step 51,234 can be traced to its documents.
 
 A concat row is the L + 1 tokens [a, a + L] of the store's token stream (inputs and targets), so
 it may span several documents; a packed row lists its segments. The source comes from the shard's
-``.src`` sidecar and the manifest's ``sources`` (see ``store.format``), read when first needed and
-checked against its checksum; a store made before prepare recorded them (or whose sidecar is
-missing or damaged) says "source unknown", never an error.
+``.src`` sidecar and the manifest's ``sources`` and ``source_kinds`` (see ``store.format``), read
+when first needed and checked against its checksum; a store made before prepare recorded them (or
+whose sidecar is missing or damaged) says "source unknown", never an error.
+
+Only the store's own files are read: an input file or URL the manifest names is printed, never
+opened (a crafted manifest must not make ``explain`` send requests, signed with the user's
+credentials, to a host it names; an input moved or rewritten since must not change the answer).
+A store made before ``source_kinds`` names a file's numbers by its extension (a line of a .jsonl,
+a row of a .parquet); a .json's, which its content decided, as ``source kind unknown``.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -26,13 +31,14 @@ from tokenmill import sampler
 from tokenmill.errors import StoreError
 from tokenmill.io import read_bytes
 from tokenmill.plan import BatchPlan, SampleSource
-from tokenmill.store.format import SOURCES, Origins, parse_src
-from tokenmill.tabular import json_layout
+from tokenmill.records import ORIGIN_KINDS, kind_of_name
+from tokenmill.store.format import SOURCE_KINDS, SOURCES, Origins, parse_src
 
-__all__ = ["Piece", "RowOrigin", "SOURCE_UNKNOWN", "explain_positions", "source_name"]
+__all__ = ["KIND_UNKNOWN", "Piece", "RowOrigin", "SOURCE_UNKNOWN", "explain_positions",
+           "source_name"]
 
 SOURCE_UNKNOWN = "source unknown"  # stores made before prepare records its sources
-ROW_FORMATS = (".parquet", ".arrow", ".csv", ".tsv")  # their Doc.line is a row, not a line
+KIND_UNKNOWN = "source kind unknown"  # a number whose meaning the store does not record
 
 
 class Piece(NamedTuple):
@@ -43,9 +49,12 @@ class Piece(NamedTuple):
     shard_document: int  # document number within its shard (the Megatron .idx's index)
     token_offset: int  # offset in the document of the piece's first token
     tokens: int  # tokens of the document in the row (inputs and targets: up to seq_len + 1)
-    source: str  # "file:line", "file row N", "file element N" (a .json array) or "source unknown"
+    source: str  # "file:line", "file row N", "file element N" (a .json array), "file #N (source
+    #              kind unknown)" (a .json of a store made before kinds were recorded), or
+    #              "source unknown"
     file: str | None = None  # the input file, as prepare recorded it (None: not recorded)
-    line: int | None = None  # 1-based line (or row: Parquet, Arrow) where the document starts
+    line: int | None = None  # 1-based line (or row, or array element) where the document starts
+    kind: str | None = None  # what ``line`` counts: "line", "row", "element" (None: unknown)
 
 
 class RowOrigin(NamedTuple):
@@ -58,26 +67,21 @@ class RowOrigin(NamedTuple):
     pieces: tuple[Piece, ...]
 
 
-def source_name(file: str, line: int) -> str:
-    """How a document's origin is shown; a .json holding one array numbers its elements.
+def source_name(file: str, line: int, kind: str | None) -> str:
+    """How a document's origin is shown, from what the store records (``kind``: what ``line``
+    counts; None: not recorded, then what the file's name says, if it decides) — never from the
+    file itself.
 
-    source_name("d/a.jsonl", 12) == "d/a.jsonl:12"; source_name("d/b.parquet", 3) == "d/b.parquet row 3"
+    source_name("d/a.jsonl", 12, "line") == "d/a.jsonl:12"
+    source_name("d/g.json", 3, "element") == "d/g.json element 3"
+    source_name("d/g.json", 3, None) == "d/g.json #3 (source kind unknown)"
     """
-    if file.lower().endswith(ROW_FORMATS):
-        return f"{file} row {line}"
-    if file.lower().endswith(".json"):
-        return f"{file} element {line}" if _json_array(file) else f"{file}:{line}"
-    return f"{file}:{line}"
-
-
-@functools.lru_cache(maxsize=256)
-def _json_array(file: str) -> bool:
-    """Whether a .json input holds one array (its .src numbers elements, not lines); a file that
-    cannot be read any more is taken for JSON Lines, the common form."""
-    try:
-        return json_layout(file) == "array"
-    except (OSError, ValueError, ImportError):
-        return False
+    kind = kind or kind_of_name(file)
+    if kind == "line":
+        return f"{file}:{line}"
+    if kind in ("row", "element"):
+        return f"{file} {kind} {line}"
+    return f"{file} #{line} ({KIND_UNKNOWN})"
 
 
 class _Sidecars:
@@ -85,8 +89,11 @@ class _Sidecars:
 
     def __init__(self, store):
         self.store, self.read = store, {}
-        files = store.manifest.get(SOURCES)
+        files, kinds = store.manifest.get(SOURCES), store.manifest.get(SOURCE_KINDS)
         self.files = files if isinstance(files, list) else None
+        known = isinstance(kinds, list) and self.files is not None and len(kinds) == len(files)
+        self.kinds = [k if k in ORIGIN_KINDS else None for k in kinds] if known \
+            else [None] * len(self.files or ())
 
     def origins(self, shard: int) -> Origins | str:
         """Shard ``shard``'s origins, or why they are unknown."""
@@ -122,8 +129,9 @@ def _piece(source: SampleSource, sidecars: _Sidecars, doc: int, lo: int, hi: int
     origins = sidecars.origins(shard)
     if isinstance(origins, str):
         return Piece(*head, origins)
-    file, line = sidecars.files[int(origins.files[local])], int(origins.lines[local])
-    return Piece(*head, source_name(file, line), file, line)
+    fid, line = int(origins.files[local]), int(origins.lines[local])
+    file, kind = sidecars.files[fid], sidecars.kinds[fid]
+    return Piece(*head, source_name(file, line, kind), file, line, kind or kind_of_name(file))
 
 
 def _pieces(source: SampleSource, sidecars: _Sidecars, address: int) -> tuple[Piece, ...]:

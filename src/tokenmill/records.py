@@ -57,6 +57,8 @@ EXTENSIONS = (".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst", ".jsonl", ".js
               ".txt", ".parquet", ".arrow")  # longest first
 # compressed .json is JSON Lines (C4's c4-train.00000-of-01024.json.gz): read as .jsonl.gz
 ALIASES = {"json.gz": "jsonl.gz", "json.zst": "jsonl.zst"}
+ROW_FORMATS = ("parquet", "arrow", "csv", "tsv")  # their Doc.line is a row, not a line
+ORIGIN_KINDS = ("line", "row", "element")  # what a Doc.line counts (element: of a .json array)
 COMPRESSED = ("jsonl.gz", "jsonl.zst")  # streams: no seeking, so the parent reads their units
 LONG_DOCUMENT = 64 << 20  # a single document of more text than this gets a warning
 TXT_MODES = ("file", "lines", "paragraphs")
@@ -185,6 +187,17 @@ def format_or_none(path: str) -> str | None:
     name = web_path(path).lower()
     fmt = next((ext[1:] for ext in EXTENSIONS if name.endswith(ext)), None)
     return ALIASES.get(fmt, fmt)
+
+
+def kind_of_name(path: str) -> str | None:
+    """What a file's ``Doc.line`` counts, when its name decides (a store records it per input
+    file, ``ORIGIN_KINDS``): "row" (Parquet, Arrow, CSV, TSV), "line" (JSON Lines, text); None
+    for a .json, whose content decides (an array numbers its elements), or an unsupported name.
+
+    kind_of_name("d/b.parquet") == "row"; kind_of_name("d/c.json") is None
+    """
+    fmt = format_or_none(path)
+    return None if fmt in (None, "json") else "row" if fmt in ROW_FORMATS else "line"
 
 
 def format_of(path: str) -> str:

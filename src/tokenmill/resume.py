@@ -10,6 +10,10 @@ checkpoint — and which are not::
 
 ``consumed_from`` is the Loader's ``load_state_dict`` check: a state without the record (the
 three-key form) is checked by its fingerprint alone, as before.
+
+``run_settings`` and ``same_run`` serve ``tokenmill explain``, which must explain the run that
+happened: every setting that shaped its batches comes from the state's record or is given, never
+assumed, and a state is only taken for the run whose stores and settings it records.
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ from tokenmill import sampler
 from tokenmill.errors import ConfigError
 from tokenmill.plan import consumed_of
 
-__all__ = ["Difference", "consumed_from", "differences", "explain", "read_state", "report"]
+__all__ = ["Difference", "RUN_KEYS", "RUN_SETTINGS", "consumed_from", "differences", "explain", "read_state",
+           "report", "run_settings", "same_run"]
 
 UNSAFE_KEYS = ("layout", "seq_len", "seed", "max_segments", "weights")
 LEGACY_PACKING = "whole-store"  # what a packed state without a "packing" record was made by
 SAFE_KEYS = ("batch_size", "world_size", "num_workers")
+RUN_SETTINGS = ("seq_len", "batch_size", "layout", "seed", "world_size")  # shape every batch
+RUN_KEYS = (*RUN_SETTINGS, "max_segments", "weights", "mixture")  # and those that may
 
 
 class Difference(NamedTuple):
@@ -178,3 +185,47 @@ def consumed_from(state: Mapping[str, Any], stream: Mapping[str, Any], fingerpri
                 f" (loader state fingerprint {was!r}, this loader's {fingerprint!r})"
             raise ConfigError(f"cannot resume from this state: {explain(diffs)}{also}")
     return consumed_of(state, fingerprint)
+
+
+def run_settings(state: Mapping[str, Any], given: Mapping[str, Any], *, stores: int,
+                 named: bool, where: str | None = None) -> dict[str, Any]:
+    """The Loader settings of a run over ``stores`` stores (``named``: NAME=STORE): each in
+    ``given`` (the command line's flags), else the stream record of ``state`` (a Loader's state,
+    read from ``where``; {}: none). Needed: RUN_SETTINGS; max_segments for a packed layout (None:
+    no cap); the phases (``mixture``) of named stores; the ``weights`` of several unnamed ones —
+    none is ever assumed: a ConfigError names every flag missing.
+
+    run_settings({"stream": {"seed": 3}}, {"seq_len": 8, "batch_size": 4, "layout": "concat",
+                                           "world_size": 1}, stores=1, named=False)["seed"] == 3
+    """
+    if state.get("mode") is not None:
+        raise ConfigError(f"{where}: a streaming loader's state (mode {state['mode']!r}); "
+                          "explain explains a Loader over stores: pass a Loader's state")
+    if (named and "weights" in given) or (not named and "mixture" in given):
+        raise ConfigError("fixed weights are for unnamed stores (STORE …), mixture phases for "
+                          "named ones (NAME=STORE …)")
+    saved = state.get("stream") if isinstance(state.get("stream"), Mapping) else {}
+    known = {**{k: v for k, v in saved.items() if v is not None or k == "max_segments"}, **given}
+    needed = [*RUN_SETTINGS, *(["max_segments"] if known.get("layout") == "packed" else []),
+              *(["mixture"] if named else ["weights"] if stores > 1 else [])]
+    settings = {k: known[k] for k in [*needed, *given] if k in known}
+    if len(settings.get("weights", [None] * stores)) != stores:
+        raise ConfigError(f"{len(settings['weights'])} weights for {stores} stores: give one "
+                          "weight a store, in the order of the stores")
+    if missing := ", ".join(f"--{k.replace('_', '-')}" for k in needed if k not in known):
+        raise ConfigError(f"{where} does not record {missing}: pass them as the run had them"
+                          if where else f"missing {missing}: pass each setting that shaped the "
+                          "run's batches (none is assumed), or --state STATE.json (the run's "
+                          "Loader.state_dict() saved as JSON)")
+    return settings
+
+
+def same_run(state: Mapping[str, Any], stream: Mapping[str, Any], fingerprint: str,
+             where: str) -> None:
+    """Raise ConfigError unless a loader (``stream``, ``fingerprint``) reads the run that saved
+    ``state`` (read from ``where``): its stores and every setting a run cannot change (batch
+    size and world size may differ: a run resumed elastically)."""
+    unsafe = [d for d in report(state, stream, fingerprint) if not d.safe]
+    if unsafe:
+        raise ConfigError(f"{where}: saved by another run than these stores and settings: "
+                          f"{explain(unsafe)}")

@@ -227,8 +227,7 @@ def _unit_docs(unit: Unit, fmt: str, config: SourceConfig, report, payload: byte
 
 def _whole_record_file(unit: Unit, fmt: str, config: SourceConfig) -> bool:
     """A CSV/TSV, or a .json array (or object): read whole by tabular (not JSON Lines)."""
-    return fmt != "json" or (unit.stop < 0 and tabular.json_layout(unit.path, config.storage_options)
-                             != "lines")
+    return fmt != "json" or tabular.json_whole_unit(unit, config.storage_options)
 
 
 def _warn_long_documents(path: str, docs: Iterator[Doc | Skip]) -> Iterator[Doc | Skip]:

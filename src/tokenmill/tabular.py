@@ -44,11 +44,12 @@ import json
 import re
 from collections.abc import Iterator
 
+from tokenmill import records
 from tokenmill.errors import InputError
 from tokenmill.io import open_binary
 from tokenmill.jsonl import NOT_JSON_LINES, kind, one_value
 from tokenmill.readers import plan_ranges
-from tokenmill.records import Doc, Record, Report, Skip, SourceConfig, not_text
+from tokenmill.records import Doc, Record, Report, Skip, SourceConfig, Unit, not_text
 
 FORMATS = ("json", "csv", "tsv")
 _CHUNK = 1 << 20  # an array is read 1 MiB at a time (more while one element does not fit)
@@ -70,6 +71,28 @@ def json_layout(path: str, storage_options=None) -> str:
     if head.lstrip(_WS.encode())[:1] == b"[":
         return "array"
     return "object" if one_value(head, whole=len(head) < _SNIFF) == "object" else "lines"
+
+
+def json_array_unit(unit: Unit, storage_options=None) -> bool:
+    """Whether a .json unit is read as one array: the whole file (JSON Lines are cut into byte
+    ranges), "[" first."""
+    return unit.stop < 0 and json_layout(unit.path, storage_options) == "array"
+
+
+def json_whole_unit(unit: Unit, storage_options=None) -> bool:
+    """Whether a .json unit is read whole: an array, or one object spread over lines (to say
+    what it is); JSON Lines are cut into byte ranges."""
+    return unit.stop < 0 and json_layout(unit.path, storage_options) != "lines"
+
+
+def origin_kind(unit: Unit, storage_options=None) -> str | None:
+    """What the ``Doc.line`` of a unit's documents counts, as its reader decides: "row", "line",
+    or "element" (a .json array); None for an unsupported name. Raises what reading the head of a
+    .json raises."""
+    kind = records.kind_of_name(unit.path)
+    if kind is None and records.format_or_none(unit.path) == "json":
+        return "element" if json_array_unit(unit, storage_options) else "line"
+    return kind
 
 
 def plan(path: str, config: SourceConfig, fmt: str) -> list[tuple[int, int]]:

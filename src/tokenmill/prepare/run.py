@@ -15,8 +15,10 @@ the xxh3 of the input bytes of the units its shard holds, and a rerun recomputes
 whose input changed (even under the same size and mtime) is redone with everything after it.
 
 Origins: every shard gets a ``.src`` (file id and line or row of each document, ``Origins``); the
-manifest's ``sources`` lists the input files the ids index (``input_name``). ``origins_of``
-turns a unit's result into them, in unit order (``readers.LineBases``).
+manifest's ``sources`` lists the input files the ids index (``input_name``), and its
+``source_kinds`` what each file's numbers count (line, row, element: ``inputs_record``, decided
+when the units are planned, as their readers decide it). ``origins_of`` turns a unit's result
+into origins, in unit order (``readers.LineBases``).
 """
 
 from __future__ import annotations
@@ -30,15 +32,15 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import Any, Callable, Mapping, Sequence
 
-from tokenmill import readers, sources
+from tokenmill import readers, sources, tabular
 from tokenmill.errors import ConfigError
 from tokenmill.io import file_size, is_url, redact
 from tokenmill.prepare.pool import ReadAhead, UnitPool, ordered_results
 from tokenmill.prepare.tokenize import (PrepareConfig, UnitResult, engine_option, engine_record,
                                         input_name, unit_digest)
 from tokenmill.procs import resolve_workers, usable_cores
-from tokenmill.records import COMPRESSED, changed
-from tokenmill.store.format import SOURCES, Origins
+from tokenmill.records import COMPRESSED, changed, io_errors
+from tokenmill.store.format import SOURCE_KINDS, SOURCES, Origins
 from tokenmill.store.upload import RemoteOut
 from tokenmill.store.writer import StoreWriter, WriterConfig
 from tokenmill.tokenizer import Tokenizer, load_tokenizer, token_dtype
@@ -57,6 +59,7 @@ class Run:
     storage_options: Mapping | None
     progress: bool | None
     units: list[sources.Unit]
+    inputs: dict  # the manifest's record of the inputs (inputs_record)
 
     @property
     def where(self) -> str:
@@ -115,7 +118,7 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
             writer.skips.add(s)
     try:
         run = Run(config, writer, tok, files, sizes, settings, storage_options, progress,
-                  planned())
+                  planned(), inputs_record(files, planned(), storage_options))
         if getattr(tok, "source", None):
             report(f"tokenizer {config.tokenizer}: {tok.source}", progress)
         if tok.kind == "hf":
@@ -257,8 +260,26 @@ def run_local(run: Run, workers: int, pool: UnitPool | None = None,
 def finish(run: Run) -> dict:
     """Write the manifest of a run whose every unit is in (either engine); the manifest."""
     return run.writer.finish(run.tok.identity(), run.settings,
-                             {"tokenizer_engine": engine_record(run.tok),
-                              SOURCES: [input_name(f) for f in run.files]})
+                             {"tokenizer_engine": engine_record(run.tok), **run.inputs})
+
+
+def inputs_record(files: Sequence[str], units: Sequence[sources.Unit], storage_options) -> dict:
+    """The manifest's record of the input files: each as recorded (``sources``) and what its
+    documents' numbers count (``source_kinds``), so ``explain`` never reads an input again."""
+    first: dict[str, sources.Unit] = {}
+    for unit in units:
+        first.setdefault(unit.path, unit)
+    return {SOURCES: [input_name(f) for f in files],
+            SOURCE_KINDS: [source_kind(first.get(f), storage_options) for f in files]}
+
+
+def source_kind(unit: sources.Unit | None, storage_options) -> str | None:
+    """What the numbers of a file's documents count, from its first unit; None if it cannot be
+    read (its reader met that too: the file holds no documents, or the run failed)."""
+    try:
+        return None if unit is None else tabular.origin_kind(unit, storage_options)
+    except io_errors():
+        return None
 
 
 def origins_of(files: Sequence[str], units: Sequence[sources.Unit],

@@ -35,6 +35,14 @@ GPT-NeoX read a shard as it is. ``.idx`` layout, little-endian, no padding::
                                 .txt lines/paragraphs; 1 for a whole .txt), or its row (Parquet,
                                 Arrow)
 
+The manifest's ``source_kinds`` (one per ``sources`` entry, recorded by prepare since the
+record exists) says what each file's numbers count: ``"line"``, ``"row"`` (Parquet, Arrow,
+CSV/TSV) or ``"element"`` (a .json holding one array); ``null`` where prepare could not tell (its
+reader failed on the file too). A reader takes a value it does not know for unknown: new kinds
+may be added. ``explain`` reads only these; it never opens an input file (or a URL) the manifest
+names. A store made before the record names files by their extension alone, and a .json's kind
+as unknown.
+
 A store made before sidecars (no ``src_xxh3`` in its shard entries, no ``sources``) is still a
 valid store: it only cannot say where its documents came from.
 
@@ -79,6 +87,7 @@ SRC_MAGIC = b"TMSRC\x00\x00\x00"
 SRC_VERSION = 1
 SRC_HEADER = struct.Struct("<8sQQ")  # magic, version, N: 24 bytes
 SOURCES = "sources"  # manifest: the input files a .src's file ids index
+SOURCE_KINDS = "source_kinds"  # manifest: what those files' numbers count (records.ORIGIN_KINDS)
 SIDES = ("train", "val")  # prepare --val-fraction writes two stores, OUT/train and OUT/val
 REQUIRED = ("format", "version", "tokenizer", "dtype", "num_documents", "num_tokens", "shards")
 SHARD_FIELDS = ("name", "num_documents", "num_tokens", "bin_bytes", "idx_bytes", "bin_xxh3",

@@ -13,7 +13,7 @@ its manifest, or take the lock and finish the store themselves if its writer wen
                                                     # unit by unit, in order; then finish()
 
 Origins are recorded as prepare records them (each shard's ``.src``, the manifest's
-``sources``), so ``explain`` names the input file and line of a streamed pass's documents too.
+``sources`` and ``source_kinds``), so ``explain`` names the input file and line of a streamed pass's documents too.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import numpy as np
 
 from tokenmill import sources
 from tokenmill.errors import ConcurrentWriterError, DiskFullError
-from tokenmill.prepare.run import input_check, origins_of
-from tokenmill.prepare.tokenize import engine_record, input_name
-from tokenmill.store.format import MANIFEST, SOURCES, Origins
+from tokenmill.prepare.run import input_check, inputs_record, origins_of
+from tokenmill.prepare.tokenize import engine_record
+from tokenmill.store.format import MANIFEST, Origins
 from tokenmill.store.writer import StoreWriter, WriterConfig
 from tokenmill.streaming.plan import Cursor, StreamPlan
 from tokenmill.tokenizer import Tokenizer
@@ -53,6 +53,7 @@ class CacheWriter:
         self.resume_cursor = Cursor(*writer.cursor, token)  # where its committed shards end
         self.files = list(dict.fromkeys(unit.path for unit in plan.units))  # every file has units
         self.origins = origins_of(self.files, plan.units, plan.storage_options)  # units in order
+        self.inputs = inputs_record(self.files, plan.units, plan.storage_options)  # as planned
 
     def add(self, u: int, d0: int, tokens: np.ndarray, lengths: np.ndarray,
             skips: list[tuple[int, sources.Skip]], digest: str | None,
@@ -67,7 +68,7 @@ class CacheWriter:
     def finish(self) -> None:
         """Close the last shard, write the manifest (last, atomically), release the lock."""
         t0 = time.perf_counter()
-        extra = {SOURCES: [input_name(f) for f in self.files]}
+        extra = dict(self.inputs)
         if self.engine is not None:
             extra["tokenizer_engine"] = self.engine
         with cache_disk(self.plan):
