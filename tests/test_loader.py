@@ -132,7 +132,7 @@ def test_mixture_proportions_within_one_on_every_prefix(store, store_b):
 def test_packed_rows_agree_with_documents(store):
     from tokenmill.store import TokenStore
     ts = TokenStore(store)
-    starts, lengths = ts.doc_starts, ts.doc_lengths
+    starts, lengths = ts.doc_spans(np.arange(len(ts)))
     with Loader(store, seq_len=L, batch_size=1, layout="packed", rank=0, world_size=1) as ld:
         stats = ld.layout_stats
         assert 0 <= stats["padding_at_most"] < 0.5

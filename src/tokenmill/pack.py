@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tokenmill.arrays import exclusive_cumsum, ranges
 from tokenmill.errors import ConfigError
-from tokenmill.sampler import exclusive_cumsum, hash_ints, ranges
+from tokenmill.sampler import hash_ints
 from tokenmill.segments import fill_metadata
 
 __all__ = [

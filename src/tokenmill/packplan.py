@@ -30,8 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenmill import pack
+from tokenmill.arrays import distinct, ranges
 from tokenmill.errors import ConfigError
-from tokenmill.sampler import distinct, epoch_permutation, hash_ints, ranges
+from tokenmill.sampler import epoch_permutation, hash_ints
 
 __all__ = ["PACKING", "PackedPlan", "WindowRows", "docs_per_window", "epoch_layout", "fit_rows"]
 

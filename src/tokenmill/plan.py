@@ -30,12 +30,12 @@ import numpy as np
 import xxhash
 
 from tokenmill import pack, sampler
+from tokenmill.arrays import distinct
 from tokenmill.errors import ConfigError, StoreError, check_int, is_int
 from tokenmill.io import FileId, file_id, redact
 from tokenmill.mixture import Mixture, mixture_of
 from tokenmill.packplan import PACKING, PackedPlan
 from tokenmill.rows import RowFiller, as_slice, one_piece_starts
-from tokenmill.sampler import distinct
 from tokenmill.store.format import MANIFEST, read_manifest
 from tokenmill.store.reader import TokenStore
 

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
-from tokenmill.sampler import distinct, ranges
+from tokenmill.arrays import distinct, ranges
 
 __all__ = ["RowFiller", "SLICE_SEGMENTS", "Shards", "as_slice", "one_piece_starts", "row_at"]
 

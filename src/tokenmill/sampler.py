@@ -29,15 +29,11 @@ __all__ = [
     "assign",
     "assign_phased",
     "batch_positions",
-    "by_value",
-    "distinct",
     "epoch_of",
     "epoch_permutation",
-    "exclusive_cumsum",
     "hash_ints",
     "mixture_schedule",
     "phased_schedule",
-    "ranges",
     "sample_ids",
     "split_epoch",
 ]
@@ -459,52 +455,3 @@ def assign_phased(phases: Phases, positions: np.ndarray) -> tuple[np.ndarray, np
         store[sel] = phases.stores[i][local]
         draw[sel] = d + phases.offsets[i][store[sel]]
     return store, draw
-
-
-def exclusive_cumsum(a: np.ndarray) -> np.ndarray:
-    """[0, a0, a0+a1, …] without the total.
-
-    exclusive_cumsum(np.array([3, 1, 2])).tolist() == [0, 3, 4]
-    """
-    out = np.zeros(len(a), dtype=np.int64)
-    np.cumsum(a[:-1], out=out[1:])
-    return out
-
-
-def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(s, s + c) for each (s, c): one index array for many ranges.
-
-    ranges(np.array([5, 0]), np.array([2, 3])).tolist() == [5, 6, 0, 1, 2]
-    """
-    total = int(counts.sum())
-    return np.repeat(starts - exclusive_cumsum(counts), counts) + np.arange(total, dtype=np.int64)
-
-
-def distinct(values: np.ndarray) -> list[int]:
-    """The distinct values, ascending: ``np.unique`` without its first-call cost (it imports
-    numpy.ma, ~5 ms, which would be most of the time to a first batch).
-
-    distinct(np.array([3, 1, 3])) == [1, 3]
-    """
-    if values.size == 0:
-        return []
-    lo, hi = values.min(), values.max()
-    if lo == hi:  # the usual case: one epoch, one store, one block
-        return [int(lo)]
-    s = np.sort(values, kind="stable")
-    return s[np.concatenate(([True], s[1:] != s[:-1]))].tolist()
-
-
-def by_value(values: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """(value, the indices holding it) for each distinct value, ascending: one stable sort,
-    not one comparison of the whole array per value.
-
-    [(v, i.tolist()) for v, i in by_value(np.array([3, 1, 3]))] == [(1, [1]), (3, [0, 2])]
-    """
-    if values.size == 0:
-        return []
-    order = np.argsort(values, kind="stable")
-    ordered = values[order]
-    cuts = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
-    return [(int(ordered[a]), order[a:b]) for a, b in
-            zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [len(order)])).tolist())]

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from tokenmill.errors import ConfigError, check_int
+from tokenmill.errors import check_int
 from tokenmill.io import atomic_write_bytes
 
 __all__ = ["Watch", "slowest"]

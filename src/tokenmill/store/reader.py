@@ -29,12 +29,18 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from tokenmill.arrays import by_value
 from tokenmill.errors import ConfigError, StoreError, check_int
 from tokenmill.io import ChecksumWatch, file_id, is_url, map_file, redact
-from tokenmill.sampler import by_value
 from tokenmill.store.cache import CacheFullError, RemoteShards
-from tokenmill.store.format import (MANIFEST, IdxArrays, read_idx, read_idx_entries,
-                                    read_manifest, size_or_raise)
+from tokenmill.store.format import (
+    MANIFEST,
+    IdxArrays,
+    read_idx,
+    read_idx_entries,
+    read_manifest,
+    size_or_raise,
+)
 
 MAX_OPEN = 32  # shard files a store keeps mapped at once (each map holds one descriptor)
 VERIFY_MODES = ("background", "off")
@@ -402,17 +408,9 @@ class TokenStore:
             parts.append(part)
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
-    @cached_property
-    def doc_starts(self) -> np.ndarray:
-        """int64 global token offset of every document (exclusive cumulative sum of lengths)."""
-        starts = np.zeros(len(self), dtype=np.int64)
-        np.cumsum(self.doc_lengths[:-1], out=starts[1:])
-        return starts
-
     def doc_spans(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Global first token and length (int64) of each document id, read from the shards'
-        indexes (only the shards the ids fall in); an id equal to len(store) gives
-        (num_tokens, 0), the end of the stream.
+        """Global first token and length (int64) of each document id (len(store): the stream's
+        end, (num_tokens, 0)), read from the indexes of the shards the ids fall in alone.
 
         store.doc_spans(np.array([0]))[0].tolist() == [0]
         """
@@ -421,11 +419,10 @@ class TokenStore:
         if ids.size and (ids.min() < 0 or ids.max() > n):
             raise IndexError(f"document ids must be in [0, {n:,}] (got {ids.min()}..{ids.max()})")
         shard = np.searchsorted(self.shard_doc_starts, ids, side="right") - 1
-        starts = np.full(ids.shape, self.num_tokens, np.int64)
+        starts = np.full(ids.shape, self.num_tokens, np.int64)  # id n: the stream's end
         lengths = np.zeros(ids.shape, np.int64)
-        for s, sel in by_value(np.where(ids < n, shard, -1)):
-            if s < 0:
-                continue  # the end of the stream: (num_tokens, 0)
+        groups = by_value(np.where(ids < n, shard, -1))  # -1 first: the ids at the end
+        for s, sel in groups[1:] if groups and groups[0][0] < 0 else groups:
             local = ids[sel] - int(self.shard_doc_starts[s])
             pointers, lengths[sel] = self._entries(s, local)
             starts[sel] = int(self.shard_token_starts[s]) + pointers // self.dtype.itemsize
@@ -433,8 +430,7 @@ class TokenStore:
 
     def _entries(self, i: int, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(byte offsets, lengths) of shard ``i``'s documents ``local``: from its index if mapped
-        (or remote: read whole), else read alone (``read_idx_entries``: a pass over many shards
-        does not map and unmap every index in turn)."""
+        or remote, else read alone (a pass over many shards maps no index: read_idx_entries)."""
         x = self._idx[i]
         if x is not None or self._remote is not None:
             x = x if x is not None else self._index(i)
@@ -445,8 +441,7 @@ class TokenStore:
         return got.pointers, got.lengths
 
     def docs_at(self, tokens: np.ndarray) -> np.ndarray:
-        """The id of the document holding each global token (in [0, num_tokens)), read from the
-        indexes of the shards the tokens fall in.
+        """The id of the document holding each global token, read from its shard's index.
 
         store.docs_at(np.array([0])).tolist() == [0]
         """

@@ -33,9 +33,10 @@ from typing import NamedTuple
 import numpy as np
 
 from tokenmill import pack
+from tokenmill.arrays import exclusive_cumsum, ranges
 from tokenmill.errors import ConfigError
 from tokenmill.plan import batch_arrays
-from tokenmill.sampler import epoch_permutation, exclusive_cumsum, ranges
+from tokenmill.sampler import epoch_permutation
 from tokenmill.store.reader import TokenStore
 from tokenmill.streaming.plan import Cursor, StreamPlan
 from tokenmill.streaming.windows import TextWindows
