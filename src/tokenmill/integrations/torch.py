@@ -31,13 +31,17 @@ Packed batches (``layout="packed"``) in each attention kernel's form, built by t
 ``document_mask(batch)`` → a FlexAttention causal document ``BlockMask``;
 ``dense_document_mask(batch)`` → (B, 1, L, L) bool for ``scaled_dot_product_attention``;
 ``varlen_args(batch, pad_to=)`` → FlashAttention varlen ``cu_seqlens`` (int32) and ``max_seqlen``;
-``flat_position_ids(batch)`` → Hugging Face flattening ``position_ids``. Each reads
-``batch["segment_ids"]`` on the host (free on CPU; one small copy from a GPU).
+``flat_position_ids(batch)`` → Hugging Face flattening ``position_ids``; ``hf_inputs(batch)`` →
+the whole keyword arguments of a Hugging Face causal LM. Each reads ``batch["segment_ids"]`` on
+the host (free on CPU; one small copy from a GPU).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import os
+import re
 import time
 import weakref
 from collections import deque
@@ -57,7 +61,7 @@ from tokenmill.resume import consumed_from
 from tokenmill.store.reader import TokenStore
 
 __all__ = ["TokenDataset", "TorchBatches", "dense_document_mask", "document_mask",
-           "flat_position_ids", "to_torch", "varlen_args"]
+           "flat_position_ids", "hf_inputs", "to_torch", "varlen_args"]
 
 
 def to_torch(loader: Loader, device: str | torch.device = "cpu", *, depth: int = 2) -> TorchBatches:
@@ -409,3 +413,62 @@ def flat_position_ids(batch) -> torch.Tensor:
     """
     seg, device = _segment_ids(batch)
     return torch.from_numpy(attention.flat_position_ids(seg)).to(device)
+
+
+# ---- batches → a Hugging Face causal LM --------------------------------------------------------
+
+# 4.54 is the first transformers whose sdpa/eager/flex masks follow packed position_ids
+# (masking_utils.find_packed_sequence_indices): Llama, Qwen2, Mistral leak on 4.53, exact on 4.54
+HF_MIN_VERSION = (4, 54)
+IGNORE_INDEX = -100  # what HF's cross entropy skips
+
+
+def hf_inputs(batch) -> dict[str, Any]:
+    """The keyword arguments of a Hugging Face causal LM (transformers >= 4.54) for a batch.
+
+    Packed: the rows flattened to one of B·L tokens, ``position_ids`` restarting at every
+    document (HF then attends within documents only), ``shift_labels`` = the targets (-100 where
+    ``loss_mask`` is 0), ``labels`` the same in HF's unshifted form, ``use_cache=False`` (with a
+    cache transformers builds no packed mask). Concat: the rows as they are, no position_ids.
+
+    model(**hf_inputs(batch)).loss    # == mean of -log p(target) over loss_mask
+    """
+    _check_transformers()
+    if not isinstance(batch, Mapping) or not {"inputs", "targets"} <= batch.keys():
+        raise ConfigError(f"hf_inputs takes a batch of a tokenmill Loader (a dict with 'inputs' "
+                          f"and 'targets'; got {type(batch).__name__}); pass the batch itself")
+    inputs, targets = _tensor(batch["inputs"]), _tensor(batch["targets"])
+    shift = targets.to(torch.int64)
+    if "loss_mask" in batch:
+        shift = shift.masked_fill(_tensor(batch["loss_mask"]).to(shift.device) == 0, IGNORE_INDEX)
+    ids = inputs.to(torch.int64)
+    kwargs = {}
+    if "segment_ids" in batch:  # packed: one row, every document starting at position 0
+        ids, shift = ids.reshape(1, -1), shift.reshape(1, -1)
+        kwargs["position_ids"] = flat_position_ids(batch).reshape(1, -1)
+    labels = torch.nn.functional.pad(shift[:, :-1], (1, 0), value=IGNORE_INDEX)  # HF shifts it
+    return {"input_ids": ids, **kwargs, "labels": labels, "shift_labels": shift,
+            "use_cache": False}
+
+
+def _tensor(value) -> torch.Tensor:
+    """A batch entry as a tensor (numpy arrays of the Loader's own batches shared, not copied)."""
+    return value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+
+
+@functools.cache
+def _transformers_version() -> str | None:
+    """The installed transformers' version (read once: a metadata lookup costs ~3 ms)."""
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None  # the kwargs are plain tensors; whatever takes them is the caller's
+
+
+def _check_transformers() -> None:
+    """Refuse an installed transformers too old to keep packed documents apart."""
+    version = _transformers_version()
+    if version and tuple(int(n) for n in re.findall(r"\d+", version)[:2]) < HF_MIN_VERSION:
+        raise ConfigError(f"transformers {version} is installed: before 4.54 its sdpa and eager "
+                          "attention ignore packed position_ids and let documents attend to "
+                          "each other; pip install 'transformers>=4.54'")
