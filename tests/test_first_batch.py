@@ -103,7 +103,7 @@ def test_packed_start_and_resume_read_a_window_s_worth_of_documents(tmp_path):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert len(store) == 999_936 and plan.k == 4197
+    assert len(store) == 999_936 and plan.k == 8393
     assert started <= 30 * plan.k and counting.ids - started <= 30 * plan.k, (started, plan.k)
     assert counting.ids < len(store) // 4
     assert peak < 32 << 20, peak  # a few windows' arrays, not 10^6 documents' (8 MB each)

@@ -112,7 +112,7 @@ def test_a_window_draws_from_the_whole_store(tmp_path):
 def test_docs_per_window_is_bounded():
     assert docs_per_window(5, 50, 2048) == 5  # never more than the store has
     assert docs_per_window(10**9, 10**9, 8192) == 1 << 16
-    assert docs_per_window(10**8, 10**13, 2048) == 64
+    assert docs_per_window(10**8, 10**14, 2048) == 64  # documents of 10^6 tokens: the floor
 
 
 def test_a_packed_loader_writes_nothing_and_opens_a_read_only_store(tmp_path):

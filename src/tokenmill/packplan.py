@@ -37,11 +37,11 @@ from tokenmill.sampler import epoch_permutation, hash_ints
 __all__ = ["PACKING", "PackedPlan", "WindowRows", "docs_per_window", "epoch_layout", "fit_rows"]
 
 PACKING = "strata-v1"  # goes into the fingerprint: batches change when this does
-ROWS_PER_WINDOW = 2048  # rows a window aims at: β rows of margin a window cost ~0.1% padding
+ROWS_PER_WINDOW = 4096  # rows a window aims at: a row of margin a window costs 0.025% padding
 MIN_WINDOW, MAX_WINDOW = 64, 1 << 16  # documents a window
-SAMPLES = 8  # windows of epoch 0 packed to set β
-MARGIN = 0.0005  # β: rows above the largest of the samples' needs, per row they needed
-MARGIN_CAPPED = 0.01  # under max_segments a window short of rows may not be mendable by cuts
+SAMPLES = 4  # windows of epoch 0 packed to set β
+MARGIN = 0.0  # β: rows above the largest of the samples' needs, per row they needed
+MARGIN_CAPPED = 0.005  # under max_segments a window short of rows may not be mendable by cuts
 CACHED_WINDOWS = 8
 BLOCK_WINDOWS, BLOCK_DOCS = 8, 1 << 18  # windows whose documents one pass reads: ≤ 6 MB
 _TAG = 0x73747261  # "stra"
@@ -50,7 +50,7 @@ _TAG = 0x73747261  # "stra"
 def docs_per_window(num_docs: int, num_tokens: int, seq_len: int) -> int:
     """K, documents a window: about ROWS_PER_WINDOW rows' worth at the store's mean length.
 
-    docs_per_window(10**8, 10**11, 2048) == 4197
+    docs_per_window(10**8, 10**11, 2048) == 8393
     """
     mean = max(1.0, num_tokens / max(1, num_docs))
     k = int(np.ceil(ROWS_PER_WINDOW * (seq_len + 1) / mean))
@@ -76,8 +76,17 @@ def fit_rows(length: np.ndarray, capacity: int, rows: int, max_segments: int | N
     if n < rows:
         item, off, seg_len, row = _split(item, off, seg_len, row, n, rows, cut)
     elif n > rows:
-        item, off, seg_len, row = _squeeze(item, off, seg_len, row, n, rows, capacity,
-                                           max_segments, cut)
+        try:
+            item, off, seg_len, row = _squeeze(item, off, seg_len, row, n, rows, capacity,
+                                               max_segments, cut)
+        except _NoRoom:
+            if max_segments is not None:
+                raise ConfigError(
+                    f"packing a window of documents into its {rows} rows of {capacity} tokens "
+                    f"under max_segments={max_segments} left tokens without a row: these "
+                    "documents' lengths vary more than the plan allowed for; raise "
+                    "max_segments (or leave it unset) for this store") from None
+            item, off, seg_len, row = _stream(length, capacity, rows, cut)
     by_row = np.argsort(row, kind="stable")
     counts = np.bincount(row, minlength=rows)
     row_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -136,11 +145,7 @@ def _squeeze(item, off, seg_len, row, n: int, rows: int, capacity: int, cap: int
         while r < 0:  # no room takes it whole: fill the largest room, go on with the rest
             r, g = rooms.largest()
             if r < 0:
-                raise ConfigError(
-                    f"packing a window of documents into its {rows} rows of {capacity} tokens "
-                    f"under max_segments={cap} left {x} tokens without a row: these documents' "
-                    "lengths vary more than the plan allowed for; raise max_segments (or "
-                    "leave it unset) for this store")
+                raise _NoRoom
             rooms.take(r, g)
             out_item.append(it), out_off.append(o), out_len.append(g), out_row.append(r)
             cut.add(it)
@@ -149,6 +154,36 @@ def _squeeze(item, off, seg_len, row, n: int, rows: int, capacity: int, cap: int
         rooms.take(r, x)
         out_item.append(it), out_off.append(o), out_len.append(x), out_row.append(r)
     return tuple(np.asarray(a, np.int64) for a in (out_item, out_off, out_len, out_row))
+
+
+class _NoRoom(Exception):
+    """The kept rows have no room left for the dissolved rows' segments."""
+
+
+def _stream(length: np.ndarray, capacity: int, rows: int, cut: set):
+    """The items back to back, cut into rows of ``capacity`` tokens where they cross a row's end
+    (the cut token ends one piece and starts the next): (T - 1) / (capacity - 1) rows hold any
+    items; rows left over split as ``_split`` does. The last resort of a window short of rows.
+
+    _stream(np.array([3, 4]), 5, 2, set())[2].tolist() == [3, 2, 3]   # item 1 cut: 2 + 3
+    """
+    item, off, seg_len, row = [], [], [], []
+    r, room = 0, capacity
+    for i, x in enumerate(length.tolist()):
+        o = 0
+        while x > room and room >= 2:  # cut: [o, o + room) here, [o + room - 1, …) next
+            item.append(i), off.append(o), seg_len.append(room), row.append(r)
+            cut.add(i)
+            o, x, r, room = o + room - 1, x - room + 1, r + 1, capacity
+        if x > room:  # a room of one token: the next row
+            r, room = r + 1, capacity
+        item.append(i), off.append(o), seg_len.append(x), row.append(r)
+        room -= x
+    used = r + 1
+    if used > rows:
+        raise AssertionError(f"{int(length.sum())} tokens in {used} rows, more than {rows}")
+    arrays = tuple(np.asarray(a, np.int64) for a in (item, off, seg_len, row))
+    return _split(*arrays, used, rows, cut) if used < rows else arrays
 
 
 class _Rooms:
@@ -228,12 +263,12 @@ class PackedPlan:
         self.beta = self.calibrate()
         self.num_rows = self.allotted(0, self.windows, self.num_tokens)
 
-    # -- the allotment: G(w) = ⌊α·P_w / L⌋ + β·w, α = (L + 1) / L ----------------------------
+    # -- the allotment: G(w) = ⌊(P_w + β·w) / L⌋, β in tokens ---------------------------------
 
     def allotted(self, epoch: int, w: int, prefix: int | None = None) -> int:
         """G(w): rows of the epoch before window w."""
         p = self.prefix_tokens(epoch, w) if prefix is None else prefix
-        return (self.capacity * p) // (self.seq_len * self.seq_len) + self.beta * w
+        return (p + self.beta * w) // self.seq_len
 
     def num_windows(self) -> int:
         """Windows an epoch is packed in (the last index joins the one before when short)."""
@@ -410,18 +445,18 @@ class PackedPlan:
         return layout, num_cut
 
     def calibrate(self) -> int:
-        """β: the most rows beyond α·T/L that the first SAMPLES windows of epoch 0 (one read of
-        the indexes, which the first batch reads anyway) need when packed naturally, plus a
-        margin (at least 1: with α = (L + 1) / L, cuts then always fit: a row of L + 1 tokens
-        holds L tokens of the window and at most one cut's overlapping token)."""
-        beta, w = 1, 0
+        """β, in tokens: at least L (then a window is allotted more than (T - 1) / L rows, which
+        always hold its documents cut as a stream, ``_stream``), and enough for the first
+        SAMPLES windows of epoch 0 (one read of the indexes, which the first batch reads anyway)
+        to pack naturally, plus a margin."""
+        beta, w = self.seq_len, 0
         while w < min(SAMPLES, self.num_windows()):
             lengths = np.concatenate([self._raw(0, x)[2] for x in range(w, self._end(w))])
             _, _, length = pack.pieces(lengths, self.seq_len)
             rows = len(pack.place(length, self.capacity, self.cap)[1])
-            by_tokens = (self.capacity * int(lengths.sum())) // (self.seq_len * self.seq_len)
-            margin = int(np.ceil(rows * (MARGIN_CAPPED if self.cap else MARGIN)))
-            beta = max(beta, -(-(rows - by_tokens + margin) // (self._end(w) - w)))
+            rows += int(np.ceil(rows * (MARGIN_CAPPED if self.cap else MARGIN)))
+            need = rows * self.seq_len - int(lengths.sum())  # floor((T + β·k) / L) >= rows
+            beta = max(beta, -(-need // (self._end(w) - w)))
             w = self._end(w)
         return beta
 
@@ -448,7 +483,7 @@ class PackedPlan:
         with self._lock:
             counts = dict(self.counts)
         return {"rows": self.num_rows, "documents_per_window": self.k,
-                "windows": self.num_windows(), "beta": self.beta,
+                "windows": self.num_windows(), "beta_rows": self.beta / self.seq_len,
                 "padding_at_most": 1 - used / (self.num_rows * self.capacity), **counts}
 
 
