@@ -5,7 +5,8 @@ global tokens [starts[d], starts[d] + lengths[d]) with starts the exclusive cums
 
 concat: sample i of an epoch is the window of seq_len + 1 tokens at offset + i·seq_len, where the
 offset in [0, seq_len) moves with the epoch; consecutive windows share one token, so every
-(input, target) pair after the offset is seen once per epoch.
+(input, target) pair after the offset is seen once per epoch. With document masks a window also
+carries the documents it crosses, found in the shards' indexes (``window_segments``).
 
 packed: rows of C = seq_len + 1 tokens, each a list of segments (whole documents, or pieces of
 documents longer than C), placed by best-fit decreasing; padding is token 0 and the loss mask is 0
@@ -32,8 +33,8 @@ __all__ = [
     "concat_num_samples",
     "concat_offset",
     "concat_starts",
-    "fill_window_metadata",
     "fill_packed_rows",
+    "fill_window_metadata",
     "pack_documents",
     "pieces",
     "place",
@@ -115,10 +116,9 @@ def fill_window_metadata(store, starts: np.ndarray, seq_len: int, out: Mapping[s
     ``dest``) by the documents they cross, as for packed rows; with ``max_segments``, a window
     whose inputs cross more documents is refused (what it would do to a fixed cu_seqlens)."""
     at, seg_len, later = window_segments(store, starts, seq_len)
-    rows = len(starts)
     if max_segments is not None:
         _check_cap(store, starts, seq_len, at, max_segments)
-    fill_metadata(out, dest, (rows, seq_len + 1), at, seg_len, later)
+    fill_metadata(out, dest, (len(starts), seq_len + 1), at, seg_len, later)
 
 
 def _check_cap(store, starts, seq_len: int, at: np.ndarray, max_segments: int) -> None:
