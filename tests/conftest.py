@@ -64,10 +64,20 @@ def write_positional_store(path: Path, lengths, *, shard_tokens: int = 1 << 30, 
     """A store (int32) whose token at global position p is offset + p: any reorder, drop or
     duplicate of tokens shows up as a broken arithmetic sequence."""
     import numpy as np
+    total = int(np.sum(lengths))
+    return write_token_store(path, np.arange(offset, offset + total), lengths,
+                             shard_tokens=shard_tokens)
+
+
+def write_token_store(path: Path, tokens, lengths, *, shard_tokens: int = 1 << 30):
+    """A store (int32) of ``tokens`` cut into documents of ``lengths``, shards of about
+    ``shard_tokens`` tokens."""
+    import numpy as np
     from tokenmill.store import ShardWriter, atomic_write_json, build_manifest
     path.mkdir(parents=True, exist_ok=True)
     lengths = np.asarray(lengths, dtype=np.int64)
-    tokens = np.arange(offset, offset + int(lengths.sum()), dtype=np.int32)
+    tokens = np.asarray(tokens, dtype=np.int32)
+    assert len(tokens) == int(lengths.sum())
     w = ShardWriter(path, dtype=np.int32, shard_tokens=shard_tokens)
     shards = [info for info, _ in w.add(tokens, lengths)]
     if (last := w.finish()) is not None:

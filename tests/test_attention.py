@@ -1,11 +1,12 @@
-"""Packed rows → attention kernels, proven: a small causal transformer gives every packed token the
-loss it gets when its document runs alone, with each mask form; without the mask it does not."""
+"""Packed rows and concat windows with document masks → attention kernels, proven: a small causal
+transformer gives every token the loss it gets when its document (the piece of it in the row) runs
+alone, with each mask form; without the mask it does not."""
 
 import warnings
 
 import numpy as np
 import pytest
-from conftest import stdlib_texts, write_jsonl
+from conftest import stdlib_texts, write_jsonl, write_token_store
 
 from tokenmill import attention, pack
 from tokenmill.errors import ConfigError
@@ -63,8 +64,8 @@ def test_segment_ids_must_be_a_batch():
 VOCAB, DIM, HEADS, SEQ_LEN, MAX_SEGMENTS = 50, 16, 2, 24, 4
 
 
-def packed_case(seed=0, docs=40, max_segments=MAX_SEGMENTS):
-    """Random documents of 2 … seq_len + 1 tokens, packed; (tokens, lengths, layout, batch)."""
+def packed_case(tmp_path, seed=0, docs=40, max_segments=MAX_SEGMENTS):
+    """Random documents of 2 … seq_len + 1 tokens, packed; (tokens, pieces, batch, slots)."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(2, SEQ_LEN + 2, size=docs)
     tokens = rng.integers(1, VOCAB, size=int(lengths.sum())).astype(np.int64)
@@ -76,16 +77,45 @@ def packed_case(seed=0, docs=40, max_segments=MAX_SEGMENTS):
     pack.fill_packed_rows(layout, np.arange(B), tokens, out)
     assert layout.num_truncated == 0 and layout.most_segments <= max_segments
     assert (np.diff(layout.row_ptr) > 1).sum() >= 3  # rows that really share documents
-    return tokens, lengths, layout, out
+    return tokens, list(where_documents_are(layout)), out, attention.varlen_slots(B, max_segments)
 
 
 def where_documents_are(layout):
-    """(doc, row, offset, length) of every segment: where each document lies in the rows."""
+    """(row, offset, global first token, length) of every segment: where each document lies."""
     for r in range(layout.num_rows):
         off = 0
         for s in range(layout.row_ptr[r], layout.row_ptr[r + 1]):
-            yield int(layout.seg_doc[s]), r, off, int(layout.seg_len[s])
+            yield r, off, int(layout.seg_start[s]), int(layout.seg_len[s])
             off += int(layout.seg_len[s])
+
+
+CONCAT_CAP = SEQ_LEN // 2  # documents a concat row's inputs may cross (cu_seqlens slots)
+
+
+def concat_case(tmp_path, seed=0, docs=160, batch_size=8):
+    """Random documents of 1 … 11 tokens and a few longer than a row, in a store of small shards;
+    the first batch of concat windows with document masks; (tokens, pieces, batch, slots), the
+    pieces computed from the document lengths alone."""
+    from tokenmill import Loader
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 12, size=docs)
+    lengths[::40] = 2 * SEQ_LEN  # some windows lie inside one document
+    tokens = rng.integers(1, VOCAB, size=int(lengths.sum())).astype(np.int64)
+    write_token_store(tmp_path / "store", tokens, lengths, shard_tokens=100)
+    with Loader(tmp_path / "store", seq_len=SEQ_LEN, batch_size=batch_size, document_masks=True,
+                max_segments=CONCAT_CAP, dtype="int64", num_workers=0) as loader:
+        batch = loader.batch_at(0)
+        starts = loader.plan.resolve(np.arange(batch_size))[1].tolist()
+    ends = np.cumsum(lengths).tolist()
+    pieces = [(r, max(s, e - n) - s, max(s, e - n), min(s + SEQ_LEN + 1, e) - max(s, e - n))
+              for r, s in enumerate(starts) for e, n in zip(ends, lengths.tolist())
+              if e > s and e - n < s + SEQ_LEN + 1 and n > 0]
+    assert [tokens[s:s + SEQ_LEN].tolist() for s in starts] == batch["inputs"].tolist()
+    assert sum(r == 0 for r, *_ in pieces) > 2 and any(n > SEQ_LEN for *_, n in pieces)
+    return tokens, pieces, batch, attention.varlen_slots(batch_size, CONCAT_CAP)
+
+
+CASES = {"packed": packed_case, "concat": concat_case}
 
 
 def params(seed=1, scale=0.5):
@@ -139,29 +169,30 @@ def sliced(cu_seqlens):
     return attend
 
 
-def alone(p, tokens, lengths, loss_fn=torch_losses, attend=causal):
-    """Per-token losses of every document run by itself, unpacked (batch of one)."""
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+def alone(p, tokens, pieces, loss_fn=torch_losses, attend=causal):
+    """Per-token losses of every piece (a document, or its part in a row) run by itself, from
+    position 0 (batch of one)."""
     out = []
-    for s, n in zip(starts.tolist(), lengths.tolist()):
+    for _, _, s, n in pieces:
         doc = tokens[s:s + n]
         out.append(loss_fn(p, doc[None, :-1], doc[None, 1:], np.arange(n - 1)[None],
-                           attend)[0])
+                           attend)[0] if n > 1 else np.zeros(0))
     return out
 
 
-def compare(packed, unpacked, layout, loss_mask):
-    """Largest |packed − alone| over every document token; checks the loss mask covers exactly them."""
+def compare(batched, unpacked, pieces, loss_mask):
+    """Largest |batched − alone| over every piece's tokens; checks the loss mask covers exactly
+    them."""
     worst, covered = 0.0, 0
-    for doc, r, off, n in where_documents_are(layout):
+    for (r, off, _, n), want in zip(pieces, unpacked):
         assert loss_mask[r, off:off + n - 1].all()
-        worst = max(worst, float(np.abs(packed[r, off:off + n - 1] - unpacked[doc]).max()))
+        worst = max(worst, float(np.abs(batched[r, off:off + n - 1] - want).max(initial=0)))
         covered += n - 1
     assert covered == int(loss_mask.sum())
     return worst
 
 
-def mask_forms(batch):
+def mask_forms(batch, slots):
     """Each kernel form of the batch's mask, as (name, positions, attend)."""
     import torch
 
@@ -174,9 +205,8 @@ def mask_forms(batch):
     seg = torch.from_numpy(batch["segment_ids"])
     B = seg.shape[0]
     dense = dense_document_mask(batch)
-    cu, max_seqlen = varlen_args({"segment_ids": seg},
-                                 pad_to=attention.varlen_slots(B, MAX_SEGMENTS))
-    assert cu.dtype == torch.int32 and len(cu) == B * MAX_SEGMENTS + 1
+    cu, max_seqlen = varlen_args({"segment_ids": seg}, pad_to=slots)
+    assert cu.dtype == torch.int32 and len(cu) == slots
     assert max_seqlen <= SEQ_LEN
     pos_ids = flat_position_ids({"segment_ids": seg}).numpy()
     hf_cu = np.append(np.flatnonzero(pos_ids.ravel() == 0), pos_ids.size)  # as HF derives them
@@ -192,19 +222,20 @@ def mask_forms(batch):
                                                                           block_mask=block_mask)
 
 
-def test_every_torch_mask_form_gives_each_document_its_own_losses():
+@pytest.mark.parametrize("case", CASES)
+def test_every_torch_mask_form_gives_each_document_its_own_losses(case, tmp_path):
     pytest.importorskip("torch")
-    tokens, lengths, layout, batch = packed_case()
+    tokens, pieces, batch, slots = CASES[case](tmp_path)
     p = params()
-    unpacked = alone(p, tokens, lengths)
-    for name, positions, attend in mask_forms(batch):
+    unpacked = alone(p, tokens, pieces)
+    for name, positions, attend in mask_forms(batch, slots):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            packed = torch_losses(p, batch["inputs"], batch["targets"], positions, attend)
-        assert compare(packed, unpacked, layout, batch["loss_mask"]) <= 1e-9, name
+            got = torch_losses(p, batch["inputs"], batch["targets"], positions, attend)
+        assert compare(got, unpacked, pieces, batch["loss_mask"]) <= 1e-9, name
     # the proof can fail: without the document mask, documents see each other
     dropped = torch_losses(p, batch["inputs"], batch["targets"], batch["positions"], causal)
-    assert compare(dropped, unpacked, layout, batch["loss_mask"]) > 1e-2
+    assert compare(dropped, unpacked, pieces, batch["loss_mask"]) > 1e-2
 
 
 def jax_losses(p, inputs, targets, positions, mask):
@@ -224,7 +255,8 @@ def jax_losses(p, inputs, targets, positions, mask):
     return -np.asarray(jnp.take_along_axis(logp, jnp.asarray(targets)[..., None], axis=-1)[..., 0])
 
 
-def test_the_jax_mask_gives_each_document_its_own_losses():
+@pytest.mark.parametrize("case", CASES)
+def test_the_jax_mask_gives_each_document_its_own_losses(case, tmp_path):
     # float32: jax.nn.dot_product_attention's XLA path computes its logits in float32 even for
     # float64 inputs, so fp64 buys nothing; weights of scale 0.2 keep losses O(1) (max ≈ 6), and
     # 1e-5 is ~10 float32 ulps of them, while dropping the mask moves losses by ~0.7
@@ -232,20 +264,20 @@ def test_the_jax_mask_gives_each_document_its_own_losses():
     import jax.numpy as jnp
 
     from tokenmill.jax import document_mask, sequence_ids
-    tokens, lengths, layout, batch = packed_case(seed=2)
+    tokens, pieces, batch, _ = CASES[case](tmp_path, seed=2)
     p = params(seed=3, scale=0.2)
     seg = jnp.asarray(batch["segment_ids"])
     assert (np.asarray(sequence_ids({"segment_ids": seg})) ==
             attention.sequence_ids(batch["segment_ids"])).all()  # one rule, on host and device
     mask = document_mask({"segment_ids": seg})
-    assert mask.shape == (layout.num_rows, 1, SEQ_LEN, SEQ_LEN)
-    unpacked = alone(p, tokens, lengths, jax_losses, attend=None)  # None: is_causal=True
+    assert mask.shape == (len(batch["inputs"]), 1, SEQ_LEN, SEQ_LEN)
+    unpacked = alone(p, tokens, pieces, jax_losses, attend=None)  # None: is_causal=True
     for name, m in (("mask", mask), ("jit", jax.jit(document_mask)(seg))):
-        packed = jax_losses(p, batch["inputs"], batch["targets"], batch["positions"], m)
-        assert compare(packed, unpacked, layout, batch["loss_mask"]) <= 1e-5, name
+        got = jax_losses(p, batch["inputs"], batch["targets"], batch["positions"], m)
+        assert compare(got, unpacked, pieces, batch["loss_mask"]) <= 1e-5, name
     plain = jnp.tril(jnp.ones((SEQ_LEN, SEQ_LEN), bool))
     dropped = jax_losses(p, batch["inputs"], batch["targets"], batch["positions"], plain)
-    assert compare(dropped, unpacked, layout, batch["loss_mask"]) > 1e-2
+    assert compare(dropped, unpacked, pieces, batch["loss_mask"]) > 1e-2
 
 
 # ---- the cap on documents per row, on a real store ------------------------------------------------

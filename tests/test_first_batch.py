@@ -12,6 +12,7 @@ import tracemalloc
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tokenmill import Loader
 from tokenmill.store import ShardInfo, TokenStore, atomic_write_json, build_manifest, idx_bytes, \
@@ -46,12 +47,13 @@ def mapped_shards(store: Path) -> set[str]:
     return {Path(ln.split()[-1]).name for ln in lines if str(store) in ln}
 
 
-def test_first_batch_does_no_per_sample_or_per_document_work(tmp_path):
+@pytest.mark.parametrize("masks", [False, True])
+def test_first_batch_does_no_per_sample_or_per_document_work(tmp_path, masks):
     path = sparse_store(tmp_path / "s")
     store = TokenStore(path, verify="off")
     tracemalloc.start()
     try:
-        loader = Loader(store, seq_len=2048, batch_size=8)
+        loader = Loader(store, seq_len=2048, batch_size=8, document_masks=masks)
         built, _ = tracemalloc.get_traced_memory()
         assert mapped_shards(path) == set()  # opening maps nothing
         batch = next(iter(loader))
@@ -64,8 +66,14 @@ def test_first_batch_does_no_per_sample_or_per_document_work(tmp_path):
     assert built < 256 << 10, built
     assert peak < 1 << 20, peak  # the batch buffers (128 KB each) and one block's rounds
     assert batch["inputs"].shape == (8, 2048) and not batch["inputs"].any()
-    # only the shards the first batch's 8 windows fall in are mapped (each window: one shard)
-    assert 1 <= len(mapped_shards(path)) <= 8, mapped_shards(path)
+    # only the shards the first batch's 8 windows fall in are mapped (each window: one shard),
+    # and with document masks their indexes (the documents a window crosses are found there)
+    mapped = mapped_shards(path)
+    assert 1 <= len({m for m in mapped if m.endswith(".bin")}) <= 8, mapped
+    assert {m.replace(".idx", ".bin") for m in mapped if m.endswith(".idx")} == \
+        ({m for m in mapped if m.endswith(".bin")} if masks else set()), mapped
+    if masks:  # windows of 2,049 tokens over documents of 1,000: 3 or 4 pieces each
+        assert set(batch["segment_ids"].max(axis=1).tolist()) <= {3, 4}
     loader.close()
     store.close()
 

@@ -9,7 +9,8 @@ preallocated buffers; a buffer is reused only when nothing outside the loader st
 it (checked by reference count), so a batch you keep is never overwritten.
 
 Batches are dicts of numpy arrays of shape (batch_size, seq_len): ``inputs``, ``targets`` and, for
-the packed layout, ``segment_ids``, ``positions``, ``loss_mask``.
+the packed layout or concat with ``document_masks=True``, ``segment_ids``, ``positions``,
+``loss_mask``.
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ class Loader(OneIterator):
     ``for batch in Loader("store/", seq_len=2048, batch_size=8): ...``; batch k is the same for
     any num_workers, and ``load_state_dict(state_dict())`` resumes bit for bit. Less common
     settings are keywords too (``LoaderOptions``: prefetch, epochs, dtype, worker_type,
-    cache_dir, max_segments, mixture). Named stores with ``mixture=[(0, {"web": 0.9, "code": 0.1}),
-    (80_000, {…})]`` change the mix at those global samples (docs/mixing.md).
+    cache_dir, max_segments, document_masks, mixture). Named stores with
+    ``mixture=[(0, {"web": 0.9, "code": 0.1}), (80_000, {…})]`` change the mix at those global
+    samples (docs/mixing.md). ``document_masks=True`` (concat) adds the documents' segment_ids,
+    positions and loss_mask to each window (the Llama 3 recipe; docs/guide-torch.md).
 
     One live iterator: ``iter(loader)`` continues from ``consumed_samples``, and an iterator made
     before the last ``iter()``, ``load_state_dict()`` or ``close()`` raises ``StaleIterator`` at
@@ -75,7 +78,8 @@ class Loader(OneIterator):
                  num_workers: int | str = "auto", **options: Any):
         self.options = opts = LoaderOptions.of(options)
         self.config = LayoutConfig(seq_len=seq_len, layout=layout, seed=seed,
-                                   max_segments=opts.max_segments)
+                                   max_segments=opts.max_segments,
+                                   document_masks=opts.document_masks)
         self.batch_size = check_int("batch_size", batch_size, minimum=1)
         self.rank, self.world_size = resolve_rank(
             check_int("rank", rank, minimum=0, optional=True),
@@ -372,7 +376,8 @@ class Loader(OneIterator):
                 "seq_len": config.seq_len, "layout": config.layout, "seed": config.seed,
                 "max_segments": config.max_segments, "batch_size": self.batch_size,
                 "world_size": self.world_size, "num_workers": self.num_workers,
-                **({"packing": PACKING} if config.layout == "packed" else {})}
+                **({"packing": PACKING} if config.layout == "packed" else {}),
+                **({"document_masks": True} if config.document_masks else {})}
 
     def resume_report(self, state: Mapping[str, Any]) -> list[Difference]:
         """How ``state`` and this loader differ (``Difference(what, safe)``, unsafe first); a

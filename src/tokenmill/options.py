@@ -26,6 +26,7 @@ class LoaderOptions:
     worker_type: str = "thread"  # "thread" or "process"
     cache_dir: str | os.PathLike | None = None  # unused since packed rows are planned lazily
     max_segments: int | None = None  # packed: at most this many documents a row (kernel limits)
+    document_masks: bool = False  # concat: segment_ids, positions, loss_mask by document
     # named stores: [(first global sample, {name: weight}), …] phases (docs/mixing.md)
     mixture: Sequence | None = None
 

@@ -5,7 +5,8 @@ global tokens [starts[d], starts[d] + lengths[d]) with starts the exclusive cums
 
 concat: sample i of an epoch is the window of seq_len + 1 tokens at offset + i·seq_len, where the
 offset in [0, seq_len) moves with the epoch; consecutive windows share one token, so every
-(input, target) pair after the offset is seen once per epoch.
+(input, target) pair after the offset is seen once per epoch. With document masks a window also
+carries the documents it crosses, found in the shards' indexes (``window_segments``).
 
 packed: rows of C = seq_len + 1 tokens, each a list of segments (whole documents, or pieces of
 documents longer than C), placed by best-fit decreasing; padding is token 0 and the loss mask is 0
@@ -34,10 +35,12 @@ __all__ = [
     "concat_offset",
     "concat_starts",
     "fill_packed_rows",
+    "fill_window_metadata",
     "pack_documents",
     "pieces",
     "place",
     "truncation",
+    "window_segments",
 ]
 
 _TAG_CONCAT = 0x636F6E63  # "conc": separates concat offsets from other uses of hash_ints
@@ -81,6 +84,58 @@ def concat_starts(sample_ids: np.ndarray, *, seq_len: int, offset: int) -> np.nd
     concat_starts(np.array([0, 2]), seq_len=4, offset=1).tolist() == [1, 9]
     """
     return offset + np.asarray(sample_ids, dtype=np.int64) * _check_seq_len(seq_len)
+
+
+def window_segments(store, starts: np.ndarray, seq_len: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The in-window parts of the documents concat windows cross, in row order: (flat offset in
+    the (windows, seq_len + 1) tokens, length, not its row's first) — ``fill_metadata``'s input.
+    ``store``: ``docs_at``/``doc_spans`` (a TokenStore reads only the indexes of the shards the
+    windows touch: one search a shard, no array per document).
+
+    Documents of 3, 4, 5 tokens, window_segments(store, np.array([2]), 4): [0, 1], [1, 4], [F, T]
+    """
+    capacity, s = seq_len + 1, np.asarray(starts, np.int64)
+    edge = store.docs_at(np.concatenate([s, s + seq_len]))  # documents of each first, last token
+    inner = edge[len(s):] - edge[:len(s)]  # documents starting inside each window
+    counts = inner + 1
+    first = exclusive_cumsum(counts)  # each row's first segment
+    off = np.zeros(int(counts.sum()), np.int64)
+    later = np.ones(len(off), bool)
+    later[first] = False
+    row = np.repeat(np.arange(len(s), dtype=np.int64), counts)
+    off[later] = store.doc_spans(ranges(edge[:len(s)] + 1, inner))[0] - s[row[later]]
+    end = np.append(off[1:], 0)
+    end[first + inner] = capacity  # a row's last segment runs to the window's end
+    keep = end > off  # an empty document between two others is no segment
+    return (row * capacity + off)[keep], (end - off)[keep], later[keep]
+
+
+def fill_window_metadata(store, starts: np.ndarray, seq_len: int, out: Mapping[str, np.ndarray],
+                         dest, max_segments: int | None = None) -> None:
+    """segment_ids, positions, loss_mask of the concat windows at ``starts`` (batch rows
+    ``dest``) by the documents they cross, as for packed rows; with ``max_segments``, a window
+    whose inputs cross more documents is refused (what it would do to a fixed cu_seqlens)."""
+    at, seg_len, later = window_segments(store, starts, seq_len)
+    if max_segments is not None:
+        _check_cap(store, starts, seq_len, at, max_segments)
+    fill_metadata(out, dest, (len(starts), seq_len + 1), at, seg_len, later)
+
+
+def _check_cap(store, starts, seq_len: int, at: np.ndarray, max_segments: int) -> None:
+    row, off = np.divmod(at, seq_len + 1)
+    seen = np.bincount(row[off < seq_len], minlength=len(starts))  # segments among the inputs
+    if seen.max(initial=0) <= max_segments:
+        return
+    r = int(np.argmax(seen))
+    s = int(np.asarray(starts)[r])
+    first, last = store.docs_at(np.array([s, s + seq_len - 1])).tolist()
+    raise ConfigError(
+        f"{store.path}: the concat window at global token {s:,} crosses {int(seen[r])} documents "
+        f"({first:,} … {last:,}) in its {seq_len:,} inputs, more than max_segments="
+        f"{max_segments}: raise max_segments (cu_seqlens then needs batch_size × max_segments "
+        f"+ 1 slots) or leave it unset (batch_size × seq_len + 1 always suffices); the cap "
+        "changes no batch, so a checkpoint resumes under the new one")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ class LayoutConfig:
     layout: str = "concat"
     seed: int = 0
     max_segments: int | None = None  # packed: at most this many documents (segments) a row
+    document_masks: bool = False  # concat: segment_ids, positions, loss_mask by document
 
     def __post_init__(self):  # frozen: the ints are made plain ints once, here
         object.__setattr__(self, "seq_len", check_int("seq_len", self.seq_len, minimum=1))
@@ -69,12 +70,15 @@ class LayoutConfig:
                                                    maximum=sampler.MAX_SEED))
         object.__setattr__(self, "max_segments", check_int(
             "max_segments", self.max_segments, minimum=1, optional=True))
-        if self.max_segments is not None and self.layout != "packed":
-            raise ConfigError(f"max_segments needs layout='packed' (got max_segments="
-                              f"{self.max_segments!r}, layout={self.layout!r})")
-
-
-_is_int = is_int  # the one integer check (errors.is_int)
+        if not isinstance(self.document_masks, (bool, np.bool_)) or \
+                self.document_masks and self.layout != "concat":
+            raise ConfigError(f"document_masks=True or False, for layout='concat' (got document_"
+                              f"masks={self.document_masks!r}, layout={self.layout!r}); packed "
+                              "rows always carry segment_ids, positions and loss_mask")
+        object.__setattr__(self, "document_masks", bool(self.document_masks))
+        if self.max_segments is not None and self.layout != "packed" and not self.document_masks:
+            raise ConfigError(f"max_segments needs layout='packed' or document_masks=True (got "
+                              f"max_segments={self.max_segments!r}, layout={self.layout!r})")
 
 
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -111,7 +115,7 @@ def consumed_of(state: Mapping, fingerprint: str, *, what: str = "loader") -> in
 
     consumed_of({"version": 1, "consumed_samples": 8, "fingerprint": "f"}, "f") == 8
     """
-    if not isinstance(state, Mapping) or not _is_int(state.get("version")) or \
+    if not isinstance(state, Mapping) or not is_int(state.get("version")) or \
             state.get("version") != STATE_VERSION:
         raise ConfigError(f"unsupported loader state (want version {STATE_VERSION}): {state!r}")
     if state.get("fingerprint") != fingerprint:
@@ -119,7 +123,7 @@ def consumed_of(state: Mapping, fingerprint: str, *, what: str = "loader") -> in
                           f"this {what}'s {fingerprint!r}: the stores, seq_len, layout, seed or "
                           "mixture weights differ from the run that saved it")
     consumed = state.get("consumed_samples")
-    if not _is_int(consumed) or not 0 <= consumed <= MAX_CONSUMED:
+    if not is_int(consumed) or not 0 <= consumed <= MAX_CONSUMED:
         raise ConfigError(f"consumed_samples must be an int in [0, 2**63) (got {consumed!r} of "
                           f"type {type(consumed).__name__}); pass the state_dict() a loader saved, "
                           "unchanged")
@@ -182,6 +186,9 @@ class SampleSource:
         """``fill`` with the addresses' ``row_starts`` known, into batch rows ``dest``."""
         if self.packed is None:
             self.rows.windows(starts, dest, out)
+            if self.config.document_masks:
+                pack.fill_window_metadata(self.store, starts, self.config.seq_len, out, dest,
+                                          self.config.max_segments)
             return
         rows = np.arange(dest.start, dest.stop) if isinstance(dest, slice) else dest
         groups = self.packed.locate(addrs)
@@ -205,8 +212,7 @@ def open_sources(source, config: LayoutConfig, mixture=None) -> tuple[list[Sampl
             if stores[-1] is not s:
                 opened.append(stores[-1])
         check_tokenizers(stores)
-        sources = [SampleSource(st, config, salt=i)
-                   for i, st in enumerate(stores)]
+        sources = [SampleSource(st, config, salt=i) for i, st in enumerate(stores)]
     except BaseException:
         for st in opened:  # refused: leave no store of ours open
             st.close()
@@ -226,13 +232,9 @@ def check_tokenizers(stores: list[TokenStore]) -> None:
         if _token_identity(other.tokenizer) != _token_identity(first.tokenizer):
             raise ConfigError(
                 f"cannot mix stores made with different tokenizers: {redact(str(first.path))} "
-                f"has {_describe(first.tokenizer)}, {redact(str(other.path))} has "
-                f"{_describe(other.tokenizer)}; their token ids mean different things — prepare "
-                "every store of a mixture with the same tokenizer")
-
-
-def _describe(tokenizer: dict) -> str:
-    return json.dumps(tokenizer, sort_keys=True)
+                f"has {json.dumps(first.tokenizer, sort_keys=True)}, {redact(str(other.path))} "
+                f"has {json.dumps(other.tokenizer, sort_keys=True)}; their token ids mean "
+                "different things — prepare every store of a mixture with the same tokenizer")
 
 
 def fingerprint_of(sources: list[SampleSource], mix: Mixture, config: LayoutConfig) -> str:
@@ -244,11 +246,12 @@ def fingerprint_of(sources: list[SampleSource], mix: Mixture, config: LayoutConf
     else:
         stores = [(s.store.fingerprint, w) for s, w in zip(sources, mix.weights)]
     core = {"stores": stores, "seq_len": config.seq_len, "layout": config.layout,
-            "seed": config.seed}
-    if mix.named:
-        core["mixture"] = "phases"
-    if config.max_segments is not None:  # absent when unset: earlier fingerprints stay valid
+            "seed": config.seed, **({"mixture": "phases"} if mix.named else {})}
+    # absent when unset, so earlier fingerprints stay valid; a concat cap changes no batch
+    if config.max_segments is not None and config.layout == "packed":
         core["max_segments"] = config.max_segments
+    if config.document_masks:
+        core["document_masks"] = True
     if config.layout == "packed":  # rows packed window by window: not the earlier whole-store rows
         core["packing"] = PACKING
     return xxhash.xxh3_64_hexdigest(json.dumps(core, sort_keys=True).encode())
@@ -325,8 +328,7 @@ def plan_from_spec(spec: PlanSpec) -> BatchPlan:
     try:
         for store, want in zip(stores, spec.identities):
             check_identity(store, want)
-        sources = [SampleSource(st, spec.config, salt=i)
-                   for i, st in enumerate(stores)]
+        sources = [SampleSource(st, spec.config, salt=i) for i, st in enumerate(stores)]
     except BaseException:
         for st in stores:
             st.close()
@@ -336,12 +338,12 @@ def plan_from_spec(spec: PlanSpec) -> BatchPlan:
 
 # ---- the plan -----------------------------------------------------------------------------------
 
-def batch_arrays(batch_size: int, seq_len: int, dtype, packed: bool) -> dict[str, np.ndarray]:
-    """Empty arrays of one batch: inputs/targets of ``dtype``, and for packed rows segment_ids,
-    positions (int32) and loss_mask (uint8)."""
+def batch_arrays(batch_size: int, seq_len: int, dtype, masks: bool) -> dict[str, np.ndarray]:
+    """Empty arrays of one batch: inputs/targets of ``dtype``, and with document masks (packed
+    rows, concat with document_masks) segment_ids, positions (int32) and loss_mask (uint8)."""
     shape = (batch_size, seq_len)
     out = {"inputs": np.empty(shape, dtype), "targets": np.empty(shape, dtype)}
-    if packed:
+    if masks:
         out.update(segment_ids=np.empty(shape, np.int32), positions=np.empty(shape, np.int32),
                    loss_mask=np.empty(shape, np.uint8))
     return out
@@ -381,10 +383,8 @@ class BatchPlan:
         if np.dtype(dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
             raise ConfigError(f"dtype must be 'int32' or 'int64' (got dtype={dtype!r})")
         sources, mix = open_sources(source, config, mixture)
-        given = {id(s) for s in (source if isinstance(source, Mapping) else [source])
-                 if isinstance(s, TokenStore)}
-        given |= {id(s) for s in (source.values() if isinstance(source, Mapping) else [])
-                  if isinstance(s, TokenStore)}
+        items = [*source, *source.values()] if isinstance(source, Mapping) else [source]
+        given = {id(s) for s in items if isinstance(s, TokenStore)}
         return cls(sources, mix, np.dtype(dtype),
                    closes=tuple(s.store for s in sources if id(s.store) not in given))
 
@@ -396,7 +396,8 @@ class BatchPlan:
 
     def new_buffers(self, batch_size: int) -> dict[str, np.ndarray]:
         """Freshly allocated arrays for one batch."""
-        return batch_arrays(batch_size, self.seq_len, self.dtype, self.packed)
+        return batch_arrays(batch_size, self.seq_len, self.dtype,
+                            self.packed or self.config.document_masks)
 
     def resolve(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(store id, address) of every global sample position."""

@@ -4,7 +4,7 @@ A Loader's ``state_dict()`` carries, next to ``consumed_samples`` and the finger
 ``"stream"`` record (store names and fingerprints, layout, seq_len, seed, weights or mixture
 phases, batch size, world size, workers). ``differences`` compares two records and says which
 changes are safe — batch size, world size, workers, mixture phases that start at or after the
-checkpoint — and which are not::
+checkpoint, a concat run's max_segments (a check, it changes no batch) — and which are not::
 
     differences({"seq_len": 2048}, {"seq_len": 4096}, 0) == [Difference("seq_len 2048 → 4096", False)]
 
@@ -101,7 +101,11 @@ def differences(saved: Mapping[str, Any], now: Mapping[str, Any],
         out += _stores(list(saved["stores"]), list(now.get("stores") or []), named)
     for key in UNSAFE_KEYS + SAFE_KEYS:
         if key in saved and saved.get(key) != now.get(key):
-            out.append(Difference(f"{key} {saved.get(key)} → {now.get(key)}", key in SAFE_KEYS))
+            out.append(Difference(f"{key} {saved.get(key)} → {now.get(key)}", key in SAFE_KEYS or
+                                  key == "max_segments" and now.get("layout") == "concat"))
+    masks = saved.get("document_masks", False), now.get("document_masks", False)
+    if masks[0] != masks[1]:  # recorded only when on
+        out.append(Difference(f"document_masks {masks[0]} → {masks[1]}", False))
     if saved.get("layout") == now.get("layout") == "packed" and \
             saved.get("packing", LEGACY_PACKING) != now.get("packing"):
         out.append(Difference(_packing_change(saved.get("packing", LEGACY_PACKING),
