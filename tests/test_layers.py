@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
      "tokenmill.tokenizer_files", "tokenmill.tokenizer", "tokenmill.pack", "tokenmill.rows",
      "tokenmill.attention",
      "tokenmill.mixture"),
+    ("tokenmill.packfit",),
     ("tokenmill.packplan",),
     ("tokenmill.store.format",),
     ("tokenmill.store.cache", "tokenmill.store.upload", "tokenmill.store.shards"),

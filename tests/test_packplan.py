@@ -9,7 +9,8 @@ from conftest import lengths_summing_to, write_positional_store
 
 from tokenmill import Loader, pack
 from tokenmill.errors import ConfigError
-from tokenmill.packplan import PackedPlan, docs_per_window, epoch_layout, fit_rows
+from tokenmill.packfit import fit_rows
+from tokenmill.packplan import PackedPlan, docs_per_window, epoch_layout
 from tokenmill.store import TokenStore
 
 
