@@ -4,7 +4,7 @@ On a machine shared with other jobs, wall-clock tokens/s of fresh processes scat
 CPU time a batch costs the consumer's thread is disturbed less. Contenders are interleaved: each
 round draws ``--batches`` from every one; the figure is the median over ``--rounds``.
 
-    python benchmarks/cpu_per_batch.py --store /tmp/ab/store [--cache-dir DIR]
+    python benchmarks/cpu_per_batch.py --store /tmp/ab/store
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ NAMES = ("bare", "limit", "default", "torch", "packed")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", required=True)
-    ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "tokenmill-bench"))
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--batches", type=int, default=3000)
     args = ap.parse_args(argv)
     import torch  # noqa: F401 - for the torch contender, imported before any clock
     store = Path(args.store)
-    its = {n: bench.make(n, store, 2048, 8, args.cache_dir)[0] for n in NAMES}
+    its = {n: bench.make(n, store, 2048, 8)[0] for n in NAMES}
     for it in its.values():
         next(it)
     took = {n: [] for n in NAMES}

@@ -101,12 +101,12 @@ def limit_batches(store: Path, seq_len: int, batch_size: int):
         yield {"inputs": buf[:, :-1], "targets": buf[:, 1:]}
 
 
-def make(name: str, store: Path, seq_len: int, batch_size: int, cache_dir: str):
+def make(name: str, store: Path, seq_len: int, batch_size: int):
     if name in ("bare", "limit"):
         return (bare_batches if name == "bare" else limit_batches)(store, seq_len, batch_size), None
     from tokenmill import Loader
     kw = {"inline": {"num_workers": 0}, "thread": {"num_workers": 1},
-          "packed": {"layout": "packed", "cache_dir": cache_dir}}.get(name, {})
+          "packed": {"layout": "packed"}}.get(name, {})
     loader = Loader(store, seq_len=seq_len, batch_size=batch_size, **kw)
     if name == "torch":
         from tokenmill.integrations.torch import to_torch
@@ -124,7 +124,7 @@ def child(args) -> dict:
         import torch  # noqa: F401 - imported before the clock, as a training script has
     prepare(store)
     t0 = time.perf_counter()
-    it, loader = make(args.child, store, args.seq_len, args.batch_size, args.cache_dir)
+    it, loader = make(args.child, store, args.seq_len, args.batch_size)
     next(it)
     out["first_batch_ms"] = (time.perf_counter() - t0) * 1e3
     out["tokens_per_s"] = tokens_per_s(it, args.seconds)
@@ -145,7 +145,7 @@ def child(args) -> dict:
 
 def run_child(args, name: str, cache: str) -> dict:
     cmd = [sys.executable, __file__, "--child", name, "--cache", cache, "--store", args.store,
-           "--seconds", str(args.seconds), "--cache-dir", args.cache_dir]
+           "--seconds", str(args.seconds)]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode:
         return {"error": res.stderr.strip().splitlines()[-1:]}
@@ -191,8 +191,6 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--caches", default="warm,cold")
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
-    ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "tokenmill-bench"),
-                    help="where the packed layout is cached (the store may be read-only)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cache", default="warm", help=argparse.SUPPRESS)
