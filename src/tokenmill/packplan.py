@@ -66,7 +66,7 @@ class WindowRows:
 
     layout: pack.PackedLayout
     first_row: int
-    order: object  # the shuffle of the window's rows (a sampler.Permutation)
+    order: np.ndarray  # the shuffle of the window's rows: epoch row first_row + i is row order[i]
     num_cut: int  # documents cut across rows that packing the window naturally kept whole
 
 
@@ -95,6 +95,7 @@ class PackedPlan:
         self._prefix: dict[tuple[int, int], int] = {}
         self._probes: dict = {}
         self._counted: set[tuple[int, int]] = set()
+        self._last: tuple | None = None  # (first draw, end draw, WindowRows) of the last window
         self.counts = {"windows_packed": 0, "documents_packed": 0, "documents_cut": 0,
                        "num_truncated": 0, "most_segments": 0}
         self.beta = self.calibrate()
@@ -253,7 +254,8 @@ class PackedPlan:
             first, last = self.allotted(epoch, w, p0), self.allotted(epoch, end)
             layout, num_cut = self.pack(docs, starts, lengths, last - first)
             order = epoch_permutation(last - first, seed=self.seed, epoch=epoch,
-                                      salt=int(hash_ints(_TAG, self.salt, w)))
+                                      salt=int(hash_ints(_TAG, self.salt, w)))(
+                np.arange(last - first))  # one Feistel pass a window, not one a batch
             hit = WindowRows(layout, first, order, num_cut)
             if key not in self._counted:  # counted once, however often it is packed again
                 self._counted.add(key)
@@ -302,7 +304,11 @@ class PackedPlan:
     def locate(self, draws: np.ndarray) -> list[tuple[WindowRows, np.ndarray, np.ndarray]]:
         """Draws (the store's samples 0, 1, 2, …) → per window touched: (its rows, the indices
         into ``draws`` it serves, their row ids in its layout)."""
-        epochs, j = np.divmod(np.asarray(draws, np.int64), self.num_rows)
+        draws = np.asarray(draws, np.int64)
+        last = self._last  # the window of the previous call: a batch usually stays in it
+        if last is not None and draws.size and last[0] <= draws.min() and draws.max() < last[1]:
+            return [(last[2], np.arange(len(draws)), last[2].order[draws - last[0]])]
+        epochs, j = np.divmod(draws, self.num_rows)
         out = []
         for e in distinct(epochs):
             sel = np.flatnonzero(epochs == e)
@@ -310,7 +316,9 @@ class PackedPlan:
             for w in distinct(wins):
                 mine = sel[wins == w]
                 rows = self.window_rows(e, w)
-                out.append((rows, mine, rows.order(j[mine] - rows.first_row)))
+                out.append((rows, mine, rows.order[j[mine] - rows.first_row]))
+                first = e * self.num_rows + rows.first_row
+                self._last = (first, first + len(rows.order), rows)
         return out
 
     def stats(self) -> dict:
@@ -331,7 +339,7 @@ def epoch_layout(plan: PackedPlan, epoch: int) -> pack.PackedLayout:
     seg_ids, counts, base = [], [], 0
     for part in parts:
         lay = part.layout
-        rows = part.order(np.arange(lay.num_rows))
+        rows = part.order
         n = np.diff(lay.row_ptr)[rows]
         seg_ids.append(ranges(lay.row_ptr[rows], n) + base)
         counts.append(n)
