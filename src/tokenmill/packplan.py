@@ -144,8 +144,9 @@ class PackedPlan:
         return hit
 
     def prefix_tokens(self, epoch: int, w: int) -> int:
-        """P_w: tokens of the documents of windows 0 … w-1 in ``epoch``: from a block of windows
-        already read when it holds w, else probed (one read a stratum)."""
+        """P_w: tokens of the documents of windows 0 … w-1 in ``epoch``: the P of w's block's
+        first window (probed, one read a stratum, unless known) plus the windows of the block
+        before w (read with the block, which packing w reads anyway)."""
         if w <= 0:
             return 0
         if w >= self.windows:
@@ -154,21 +155,23 @@ class PackedPlan:
         with self._lock:
             if key in self._prefix:
                 return self._prefix[key]
-        b = w // self.block
-        if b == 0 or (epoch, b * self.block) in self._prefix:  # the block's start is known
-            base = self.prefix_tokens(epoch, b * self.block) if b else 0
-            spans = [self._raw(epoch, x) for x in range(b * self.block, w)]
-            total = base + sum(int(n.sum()) for _, _, n in spans)
+        start = w // self.block * self.block
+        if start == w:
+            total = self._probe(epoch, w)
         else:
-            first, sizes = self._firsts(epoch)
-            shift = self._shift(epoch)
-            q = shift + np.minimum(w, self.sizes)
-            wrap = q > self.sizes
-            ends = self.store.doc_spans(self.bounds[:-1] + np.where(wrap, q - self.sizes, q))[0]
-            total = int((ends - first).sum()) + int(sizes[wrap].sum())
+            spans = [self._raw(epoch, x) for x in range(start, w)]
+            total = self.prefix_tokens(epoch, start) + sum(int(n.sum()) for _, _, n in spans)
         with self._lock:
             self._remember(key, total)
         return total
+
+    def _probe(self, epoch: int, w: int) -> int:
+        """P_w read from the strata: each one's tokens before its w-th document this epoch."""
+        first, sizes = self._firsts(epoch)
+        q = self._shift(epoch) + np.minimum(w, self.sizes)
+        wrap = q > self.sizes
+        ends = self.store.doc_spans(self.bounds[:-1] + np.where(wrap, q - self.sizes, q))[0]
+        return int((ends - first).sum()) + int(sizes[wrap].sum())
 
     def _remember(self, key: tuple[int, int], total: int) -> None:
         if len(self._prefix) > 4096:

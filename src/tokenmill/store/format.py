@@ -175,23 +175,25 @@ def read_idx_entries(path: str | os.PathLike, local: np.ndarray, *,
     indexes, a few entries each. The caller compares the counts with what it expects: ids past
     the file's documents are read as its last one."""
     path = Path(path)
+    local = np.asarray(local, np.int64)
     with open(path, "rb") as f:
         n, _, code = _read_idx_header(path, f, check)
-        ids, back = np.unique(np.asarray(local, np.int64), return_inverse=True)
-        ids = np.clip(ids, 0, max(0, n - 1))  # an id past the end: the counts show it (caller)
-        cuts = (np.flatnonzero(np.diff(ids) != 1) + 1).tolist()
-        lengths, pointers = np.empty(len(ids), np.int64), np.empty(len(ids), np.int64)
-        runs = list(zip([0] + cuts, cuts + [len(ids)])) if ids.size else []
+        ids = np.clip(local, 0, max(0, n - 1)).tolist()  # past the end: the counts show it
         if n:
-            ids, runs = np.append(ids, n - 1), runs + [(len(ids), len(ids) + 1)]
-            lengths, pointers = np.append(lengths, 0), np.append(pointers, 0)
-        lens_at, ptrs_at, fd = IDX_HEADER.size, IDX_HEADER.size + 4 * n, f.fileno()
-        for a, b in runs:
-            first, k = int(ids[a]), b - a
-            lengths[a:b] = np.frombuffer(os.pread(fd, 4 * k, lens_at + 4 * first), "<i4")
-            pointers[a:b] = np.frombuffer(os.pread(fd, 8 * k, ptrs_at + 8 * first), "<i8")
+            ids.append(n - 1)  # where the last document ends: the file's tokens
+        want = sorted(set(ids))
+        at = {d: i for i, d in enumerate(want)}
+        lengths, pointers = np.empty(len(want), np.int64), np.empty(len(want), np.int64)
+        lens_at, ptrs_at, fd, a = IDX_HEADER.size, IDX_HEADER.size + 4 * n, f.fileno(), 0
+        for b in range(1, len(want) + 1):  # runs of consecutive ids: one pread each array
+            if b == len(want) or want[b] != want[b - 1] + 1:
+                first, k = want[a], b - a
+                lengths[a:b] = np.frombuffer(os.pread(fd, 4 * k, lens_at + 4 * first), "<i4")
+                pointers[a:b] = np.frombuffer(os.pread(fd, 8 * k, ptrs_at + 8 * first), "<i8")
+                a = b
     dtype = np.dtype(DTYPE_CODES[code])
     tokens = int(pointers[-1]) // dtype.itemsize + int(lengths[-1]) if n else 0
+    back = np.fromiter((at[d] for d in ids[:len(local)]), np.int64, len(local))
     return IdxEntries(dtype, n, tokens, pointers[back], lengths[back])
 
 
