@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,6 +97,8 @@ class PackedPlan:
         self._probes: dict = {}
         self._counted: set[tuple[int, int]] = set()
         self._last: tuple | None = None  # (first draw, end draw, WindowRows) of the last window
+        self._pending: dict[tuple[int, int], Future] = {}
+        self._ahead_busy = False
         self.counts = {"windows_packed": 0, "documents_packed": 0, "documents_cut": 0,
                        "num_truncated": 0, "most_segments": 0}
         self.beta = self.calibrate()
@@ -241,37 +244,78 @@ class PackedPlan:
             return hit[x - b * self.block]
 
     def window_rows(self, epoch: int, w: int) -> WindowRows:
-        """Window w of ``epoch`` packed into its allotted rows (cached: the last few windows)."""
+        """Window w of ``epoch`` packed into its allotted rows (cached: the last few windows;
+        a window packed by another thread meanwhile is waited for, not packed twice)."""
         key = (epoch, w)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            end = self._end(w)
-            parts = [self._raw(epoch, x) for x in range(w, end)]
-            docs, starts, lengths = (np.concatenate(a) for a in zip(*parts))
-            p0 = self.prefix_tokens(epoch, w)
-            if end < self.windows:
+            pending = self._pending.get(key)
+            if pending is None:
+                pending = self._pending[key] = Future()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            return pending.result()
+        try:
+            hit = self._packed_window(epoch, w)
+        except BaseException as e:
+            with self._lock:
+                del self._pending[key]
+            pending.set_exception(e)
+            raise
+        with self._lock:
+            self._cache[key] = hit
+            if len(self._cache) > CACHED_WINDOWS:
+                self._cache.popitem(last=False)
+            del self._pending[key]
+        pending.set_result(hit)
+        return hit
+
+    def _packed_window(self, epoch: int, w: int) -> WindowRows:
+        end = self._end(w)
+        parts = [self._raw(epoch, x) for x in range(w, end)]
+        docs, starts, lengths = (np.concatenate(a) for a in zip(*parts))
+        p0 = self.prefix_tokens(epoch, w)
+        if end < self.windows:
+            with self._lock:
                 self._remember((epoch, end), p0 + int(lengths.sum()))
-            first, last = self.allotted(epoch, w, p0), self.allotted(epoch, end)
-            layout, num_cut = self.pack(docs, starts, lengths, last - first)
-            order = epoch_permutation(last - first, seed=self.seed, epoch=epoch,
-                                      salt=int(hash_ints(_TAG, self.salt, w)))(
-                np.arange(last - first))  # one Feistel pass a window, not one a batch
-            hit = WindowRows(layout, first, order, num_cut)
-            if key not in self._counted:  # counted once, however often it is packed again
-                self._counted.add(key)
+        first, last = self.allotted(epoch, w, p0), self.allotted(epoch, end)
+        layout, num_cut = self.pack(docs, starts, lengths, last - first)
+        order = epoch_permutation(last - first, seed=self.seed, epoch=epoch,
+                                  salt=int(hash_ints(_TAG, self.salt, w)))(
+            np.arange(last - first))  # one Feistel pass a window, not one a batch
+        with self._lock:
+            if (epoch, w) not in self._counted:  # counted once, however often it is packed
+                self._counted.add((epoch, w))
                 for name, n in (("windows_packed", 1), ("documents_packed", len(docs)),
                                 ("documents_cut", num_cut),
                                 ("num_truncated", layout.num_truncated)):
                     self.counts[name] += n
                 self.counts["most_segments"] = max(self.counts["most_segments"],
                                                    layout.most_segments)
-            self._cache[key] = hit
-            if len(self._cache) > CACHED_WINDOWS:
-                self._cache.popitem(last=False)
-            return hit
+        return WindowRows(layout, first, order, num_cut)
+
+    def _ahead(self, epoch: int, w: int) -> None:
+        """Pack the window after w in a background thread, so that a loader reaching it finds
+        it packed (a window is ~4,096 rows: packing it inline stalls one batch in ~500)."""
+        nxt = (epoch, w + 1) if w + 1 < self.num_windows() else (epoch + 1, 0)
+        with self._lock:
+            if nxt in self._cache or nxt in self._pending or self._ahead_busy:
+                return
+            self._ahead_busy = True
+
+        def run():
+            try:
+                self.window_rows(*nxt)
+            except BaseException:  # noqa: BLE001 - the loader meets it itself, in its thread
+                pass
+            finally:
+                self._ahead_busy = False
+        threading.Thread(target=run, name="tokenmill-pack-ahead", daemon=True).start()
 
     def pack(self, docs: np.ndarray, starts: np.ndarray, lengths: np.ndarray, rows: int
              ) -> tuple[pack.PackedLayout, int]:
@@ -322,6 +366,7 @@ class PackedPlan:
                 out.append((rows, mine, rows.order[j[mine] - rows.first_row]))
                 first = e * self.num_rows + rows.first_row
                 self._last = (first, first + len(rows.order), rows)
+                self._ahead(e, w)
         return out
 
     def stats(self) -> dict:
