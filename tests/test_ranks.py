@@ -75,7 +75,7 @@ def test_one_process_and_no_process_group_check_nothing(tmp_path):
         assert np.array_equal(next(iter(loader))["inputs"], loader.batch_at(0)["inputs"])
 
 
-# ---- real ranks -----------------------------------------------------------------------------------
+# ---- real ranks ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):

@@ -143,9 +143,9 @@ class StreamLoader(OneIterator):
     def check_ranks(self) -> None:
         """Refuse, on every rank at once, settings or a position that differ from another
         rank's (``ranks.agree``); run at the first ``next()`` of each pass."""
-        agree("stream loader", {**asdict(self._plan.order_settings), "batch_size": self.batch_size,
-                                "fingerprint": self.fingerprint, "consumed_samples": self._consumed},
-              rank=self.rank, world_size=self.world_size)
+        settings = {**asdict(self._plan.order_settings), "batch_size": self.batch_size,
+                    "fingerprint": self.fingerprint, "consumed_samples": self._consumed}
+        agree("stream loader", settings, rank=self.rank, world_size=self.world_size)
 
     def _batches(self, token: Iteration) -> Iterator[dict[str, np.ndarray]]:
         while True:
