@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tokenmill.io", "tokenmill.procs", "tokenmill.child", "tokenmill.metrics", "tokenmill.sampler",
      "tokenmill.arrays",
      "tokenmill.pacing", "tokenmill.ring", "tokenmill.watch", "tokenmill.options",
-     "tokenmill.segments", "tokenmill.lifetime"),
+     "tokenmill.segments", "tokenmill.lifetime", "tokenmill.ranks"),
     ("tokenmill.records", "tokenmill.jsonl", "tokenmill.readers", "tokenmill.columnar", "tokenmill.tabular",
      "tokenmill.splits", "tokenmill.decompress", "tokenmill.sources", "tokenmill.fastbpe",
      "tokenmill.tokenizer_files", "tokenmill.tokenizer", "tokenmill.pack", "tokenmill.rows",

@@ -281,3 +281,43 @@ def test_a_user_script_without_a_main_guard_prepares_with_two_workers_once(tmp_p
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "4000"
     assert runs.read_text().splitlines() == ["top-level code ran"]
+
+
+# ---- SIGTERM, and processes a library left behind ---------------------------------------------
+
+def test_sigterm_raises_terminated_once_and_the_old_handler_comes_back():
+    from tokenmill.errors import Terminated
+    from tokenmill.procs import sigterm_exits
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated) as caught:
+        with sigterm_exits():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # a signal handler runs between bytecodes: never reached
+    assert caught.value.code == 143  # uncaught, the process exits as a shell reports SIGTERM
+    with sigterm_exits() as handler:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a library replaced it …
+        handler.arm()  # … and it is put back
+        handler.fired = True  # cleaning up after the first: later ones are ignored
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_end_trees_ends_children_and_what_they_started():
+    from tokenmill.procs import children, end_trees
+    # a child that ignores SIGTERM (SIGKILL after the grace), and its own child, a grandchild
+    script = "import signal, subprocess, sys, time\n" \
+             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" \
+             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n" \
+             "print('started', flush=True); time.sleep(300)\n"
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "started\n"
+    parent_of = {p: Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]
+                 for p in os.listdir("/proc") if p.isdigit() and Path(f"/proc/{p}/stat").exists()}
+    grandchildren = [p for p, ppid in parent_of.items() if ppid == str(proc.pid)]
+    assert proc.pid in children() and len(grandchildren) == 1
+    end_trees({proc.pid}, grace_s=0.5)
+    assert not Path(f"/proc/{proc.pid}").exists()  # ended (it ignored SIGTERM) and reaped
+    stat = Path(f"/proc/{grandchildren[0]}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    proc.stdout.close()

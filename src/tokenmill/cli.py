@@ -24,7 +24,8 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from tokenmill.errors import ConfigError, TokenmillError, is_int, os_error_text, redact
+from tokenmill.errors import (ConfigError, Terminated, TokenmillError, is_int, os_error_text,
+                              redact)
 
 USAGE_EXIT = 2  # argparse's code; also every TokenmillError (a refusal that says what to do)
 FAILED_EXIT = 1  # the system said no: a read-only disk, a missing folder, out of memory
@@ -41,14 +42,14 @@ class Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0 done, 1 failed, 2 refused, 130, 141)."""
+    """Run the command line; returns the exit code (0 done, 1 failed, 2 refused, 130, 141, 143)."""
     args = build_parser().parse_args(argv)
     try:
         with one_line_warnings(args.command):
             code = args.run(args)
         sys.stdout.flush()  # a reader that went away shows here, inside the try, not at exit
         return code
-    except (Exception, KeyboardInterrupt) as e:
+    except (Exception, KeyboardInterrupt, Terminated) as e:
         code = ordinary_failure(args.command, e)
         if code is None:
             raise  # a bug: the traceback is what a report needs
@@ -60,8 +61,10 @@ def ordinary_failure(command: str, error: BaseException) -> int | None:
     if isinstance(error, BrokenPipeError) and stdout_closed():
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # quiet exit-time flush
         return CLOSED_STDOUT_EXIT
-    if isinstance(error, KeyboardInterrupt):
+    if isinstance(error, (KeyboardInterrupt, Terminated)):
         resume = "; run the same command again to resume" if command == "prepare" else ""
+        if isinstance(error, Terminated):
+            return say(command, f"terminated (SIGTERM){resume}", error.code)
         return say(command, f"interrupted{resume}", INTERRUPTED_EXIT)
     if isinstance(error, TokenmillError):
         return say(command, f"error: {error}", USAGE_EXIT)
@@ -306,6 +309,7 @@ def add_demo(sub) -> None:
 def run_prepare(args) -> int:
     """Tokenize the inputs into a store."""
     from tokenmill.prepare import prepare
+    from tokenmill.procs import sigterm_exits
     options = dict(text_key=args.text_key, txt_mode=args.txt_mode, on_error=args.on_error,
                    add_eos=not args.no_eos, add_bos=args.bos, eos=args.eos_token,
                    tokenizer_engine="hf" if args.no_fast_tokenizer else args.tokenizer_engine,
@@ -315,10 +319,11 @@ def run_prepare(args) -> int:
     if args.transform is not None:
         sys.path.insert(0, os.getcwd())  # as `python -m` does; workers get this path too
         options["transform"] = args.transform
-    prepare(args.inputs, out=args.out, tokenizer=args.tokenizer, workers=args.workers,
-            progress=False if args.quiet else None, overwrite=args.overwrite,
-            engine=args.engine, ray_address=args.ray_address, val_fraction=args.val_fraction,
-            **options)
+    with sigterm_exits():  # SIGTERM ends it as Ctrl-C does: cleaned up, one line, exit 143
+        prepare(args.inputs, out=args.out, tokenizer=args.tokenizer, workers=args.workers,
+                progress=False if args.quiet else None, overwrite=args.overwrite,
+                engine=args.engine, ray_address=args.ray_address, val_fraction=args.val_fraction,
+                **options)
     return 0
 
 

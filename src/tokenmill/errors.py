@@ -96,6 +96,14 @@ class WorkerError(TokenmillError, RuntimeError):
     last lines of its stderr. (A RuntimeError too, as worker deaths were before.)"""
 
 
+class Terminated(SystemExit):
+    """SIGTERM, raised in the main thread where cleanup still runs (``procs.sigterm_exits``);
+    uncaught, the process exits 143 (128 + SIGTERM) as if the signal had ended it."""
+
+    def __init__(self):
+        super().__init__(128 + 15)
+
+
 def os_error_text(error: OSError) -> str:
     """One line for an OSError: the file(s) it names, then what the system said.
 

@@ -35,6 +35,7 @@ from tokenmill.packplan import PACKING
 from tokenmill.plan import (STATE_VERSION, BatchPlan, LayoutConfig, batch_at, global_positions, resolve_rank)
 from tokenmill.procs import resolve_workers, usable_cores
 from tokenmill.provenance import RowOrigin, explain_positions
+from tokenmill.ranks import CheckedFirst, agree
 from tokenmill.resume import Difference, consumed_from, report
 from tokenmill.ring import Ring, memory_plan
 from tokenmill.store.reader import TokenStore
@@ -176,8 +177,22 @@ class Loader(OneIterator):
         once nothing outside holds it or a view of it — for this pass only."""
         token = self._new_iteration()
         self._ring.set_view(view)  # after the retire: no batch of the last pass is in flight
-        return Pass(token, self._paced(token) if self.pacer else
-                    self._inline(token) if self.num_workers == 0 else self._ahead(token))
+        batches = self._paced(token) if self.pacer else \
+            self._inline(token) if self.num_workers == 0 else self._ahead(token)
+        return Pass(token, CheckedFirst(self.check_ranks, batches))
+
+    def check_ranks(self) -> None:
+        """Refuse, on every rank at once, a loader whose batch-shaping settings or position
+        differ from another rank's (``ranks.agree``: one all-gather when torch.distributed or
+        JAX runs world_size processes); run at the first ``next()`` of each pass."""
+        d = self.describe()
+        # an unnamed store is named by its path, which may differ between machines
+        stores = d["stores"] if self.plan.mixture.named else [fp for _, fp in d["stores"]]
+        agree("Loader", {"stores": stores, "weights": d["weights"], "mixture": d["mixture"],
+                         **{k: d[k] for k in ("seq_len", "layout", "max_segments", "seed",
+                                              "batch_size")},
+                         "fingerprint": self.fingerprint, "consumed_samples": self._consumed},
+              rank=self.rank, world_size=self.world_size)
 
     def _hand_out(self, token: Iteration, bufs: dict) -> dict:
         """Check, count and hand out a filled batch (StaleIterator, StoreError refuse it)."""

@@ -37,9 +37,9 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
-from tokenmill.errors import TokenmillError, WorkerError, check_int
+from tokenmill.errors import Terminated, TokenmillError, WorkerError, check_int
 
 STDERR_TAIL_BYTES = 4000  # what death() quotes of a dead worker's stderr
 STDERR_TAIL_LINES = 20
@@ -124,6 +124,126 @@ def children_ignore_sigint():
         yield
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+class SigtermExits:
+    """The SIGTERM handler of ``sigterm_exits``: the first SIGTERM raises ``Terminated``; once
+    ``fired``, later ones are ignored while the cleanup it started runs."""
+
+    def __init__(self):
+        self.fired = False
+
+    def __call__(self, signum, frame) -> None:
+        if not self.fired:
+            self.fired = True
+            raise Terminated()
+
+    def arm(self) -> None:
+        """Put this handler (back) in place, after a library replaced it (``ray.init`` installs
+        ``sys.exit`` and a C++ crash dump); main thread only."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self)
+
+
+@contextlib.contextmanager
+def sigterm_exits() -> Iterator[SigtermExits]:
+    """Inside: a SIGTERM raises ``Terminated`` in the main thread, so every ``finally`` runs (as
+    for Ctrl-C), and the process exits 143 unless it is caught. Yields the handler (``arm()`` it
+    again after a library replaced it); the handler from before is restored at the end. Outside
+    the main thread it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield SigtermExits()
+        return
+    old = signal.getsignal(signal.SIGTERM)
+    handler = SigtermExits()
+    handler.arm()
+    try:
+        yield handler
+    finally:  # None: a handler installed outside Python (such as Ray's), not ours to put back
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)
+
+
+def children() -> set[int]:
+    """This process's live child processes (from /proc; an empty set where there is none)."""
+    me = os.getpid()
+    return {pid for pid, (ppid, state) in _proc_table().items() if ppid == me and state != "Z"}
+
+
+def command_line(pid: int) -> str:
+    """The command line of ``pid``, arguments joined by spaces ("" when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _below(roots: set[int]) -> set[int]:
+    """``roots`` and every live process below them."""
+    parent = {pid: ppid for pid, (ppid, state) in _proc_table().items() if state != "Z"}
+    found, frontier = set(roots), set(roots)
+    while frontier:
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid → (parent pid, state letter) of every process /proc shows."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return {}
+    return {int(n): st for n in entries if n.isdigit() and (st := _stat(int(n))) is not None}
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(parent pid, state letter) of ``pid`` from /proc; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()  # "pid (comm) state ppid …"
+    return int(fields[1]), fields[0].decode()
+
+
+def end_trees(roots: set[int], *, grace_s: float = 10.0) -> None:
+    """End processes ``roots`` (children a library started and could not stop) and every process
+    below them. Each is stopped first (SIGSTOP) until no new one appears, so none can start
+    another that would outlive it; then SIGTERM and SIGCONT to all, up to ``grace_s`` to exit on
+    their own, then SIGKILL. Children are reaped."""
+    stopped: set[int] = set()
+    while new := _below(roots | stopped) - stopped:
+        _signal_all(new, signal.SIGSTOP)
+        stopped |= new
+        deadline = time.monotonic() + grace_s
+        while any((st := _stat(p)) is not None and st[1] not in "TZX" for p in new) and \
+                time.monotonic() < deadline:  # stopped for real: no fork under way
+            time.sleep(0.005)
+    _signal_all(stopped, signal.SIGTERM)
+    _signal_all(stopped, signal.SIGCONT)
+    deadline, left = time.monotonic() + grace_s, stopped
+    while left := {pid for pid in left if not _ended(pid)}:
+        if time.monotonic() > deadline:
+            _signal_all(left, signal.SIGKILL)  # cannot be refused: they go now
+            deadline = float("inf")
+        time.sleep(0.02)
+
+
+def _signal_all(pids: set[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # gone, or not ours
+            os.kill(pid, sig)
+
+
+def _ended(pid: int) -> bool:
+    """Whether ``pid`` has ended (reaping it if it is our child)."""
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            return True
+    stat = _stat(pid)
+    return stat is None or stat[1] == "Z"
 
 
 def exit_reason(returncode: int | None) -> str:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -33,6 +32,7 @@ from typing import Any
 
 from tokenmill.errors import check_int
 from tokenmill.io import atomic_write_bytes
+from tokenmill.ranks import torch_dist
 
 __all__ = ["Watch", "slowest"]
 
@@ -59,13 +59,6 @@ def slowest(ranks: list[dict[str, float]], *, floor_s: float = 1e-3) -> dict[str
     return best
 
 
-def _dist():
-    dist = sys.modules.get("torch.distributed")  # never import torch ourselves
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist
-    return None
-
-
 class Watch:
     """Batches of ``iterable``, timed per stage; every ``every`` steps, the slowest rank named."""
 
@@ -73,7 +66,7 @@ class Watch:
                  log: Callable[[str], Any] | None = print):
         every = check_int("every", every, minimum=1)
         self.source, self._it, self.every, self._log = iterable, iter(iterable), every, log
-        dist = _dist()
+        dist = torch_dist()
         self.rank = dist.get_rank() if dist else 0
         self.trace = None if trace is None else Path(str(trace).format(rank=self.rank))
         self.events: list[dict] = []
@@ -132,7 +125,7 @@ class Watch:
             now = dict(self._stages())
             mine.update({k: v - self._stage_base.get(k, 0.0) for k, v in now.items()})
             self._stage_base = now
-        dist = _dist()
+        dist = torch_dist()
         ranks = [mine]
         if dist is not None:
             ranks = [None] * dist.get_world_size()

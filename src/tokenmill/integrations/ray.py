@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 from collections import deque
 from dataclasses import asdict, astuple, dataclass, replace
 from pathlib import Path
@@ -48,12 +49,13 @@ import numpy as np
 import xxhash
 
 from tokenmill import sources
-from tokenmill.errors import ConfigError, StoreError, TokenmillError
+from tokenmill.errors import ConfigError, StoreError, Terminated, TokenmillError
 from tokenmill.io import FileId, atomic_write_bytes, filesystem, is_url, json_bytes
 from tokenmill.prepare.run import (Progress, Run, finish, origins_of, report, start_run,
                                    summary_line, unit_weights)
 from tokenmill.prepare.tokenize import PrepareConfig, config_tokenizer, tokenize_unit
-from tokenmill.procs import resolve_workers
+from tokenmill.procs import (SigtermExits, children, command_line, end_trees, resolve_workers,
+                             sigterm_exits)
 from tokenmill.store.format import Origins, idx_bytes, shard_name, src_bytes
 from tokenmill.store.writer import PROGRESS, ShardInfo
 
@@ -279,42 +281,73 @@ def prepare_on_ray(inputs: Sequence[str], *, out: str | os.PathLike, tokenizer: 
               storage_options=storage_options)
     weights = unit_weights(run.units, run.sizes)
     meter = Progress(total=sum(weights), enabled=progress, done=sum(weights[:writer.cursor[0]]))
-    try:
-        if is_url(job.staging):
-            fs, staging = filesystem(job.staging, storage_options)
-            fs.makedirs(staging, exist_ok=True)  # a no-op on object stores
-        else:
-            Path(job.staging).mkdir(parents=True, exist_ok=True)
-        owned = _connect(ray, address, workers)
+    # SIGTERM: Terminated, so the private Ray instance is stopped as for Ctrl-C (covering
+    # finish too: the CLI's own handler is replaced by ray.init's)
+    with sigterm_exits() as on_term:
         try:
-            window = 2 * (workers if isinstance(workers, int) else
-                          max(1, int(ray.cluster_resources().get("CPU", 1))))
-            Driver(ray, job, run, window, meter, weights).run()
+            if is_url(job.staging):
+                fs, staging = filesystem(job.staging, storage_options)
+                fs.makedirs(staging, exist_ok=True)  # a no-op on object stores
+            else:
+                Path(job.staging).mkdir(parents=True, exist_ok=True)
+            before = children()
+            owned = _connect(ray, address, workers, on_term, before)
+            on_term.arm()  # ray.init put in its own (sys.exit, after a C++ crash dump)
+            try:
+                window = 2 * (workers if isinstance(workers, int) else
+                              max(1, int(ray.cluster_resources().get("CPU", 1))))
+                Driver(ray, job, run, window, meter, weights).run()
+            finally:
+                if owned:
+                    _shutdown(ray, before)
+            manifest = finish(run)
+        except BaseException:
+            writer.abort()
+            raise
         finally:
-            if owned:
-                ray.shutdown()
-        manifest = finish(run)
-    except BaseException:
-        writer.abort()
-        raise
-    finally:
-        meter.close()
+            meter.close()
     if writer.remote is not None:
         _remove(f"{where}/{PROGRESS}", storage_options, recursive=True)
     report(summary_line(manifest), progress)
     return manifest
 
 
-def _connect(ray, address: str | None, workers: int | str) -> bool:
-    """Initialize Ray unless this process already did; True if we did (and shut it down)."""
+def _connect(ray, address: str | None, workers: int | str, on_term: SigtermExits,
+             before: set[int]) -> bool:
+    """Initialize Ray unless this process already did; True if we did (and shut it down). What
+    a ``ray.init`` that fails half-way started (its own SIGTERM handler exits) is ended."""
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or "local"
     kwargs: dict[str, Any] = {}
     if address == "local":  # a private instance on this machine, gone with this process
         kwargs = dict(num_cpus=resolve_workers(workers), include_dashboard=False)
-    ray.init(address=address, log_to_driver=False, configure_logging=False, **kwargs)
+    try:
+        ray.init(address=address, log_to_driver=False, configure_logging=False, **kwargs)
+    except BaseException as e:
+        on_term.fired = True  # a SIGTERM now would cut the cleanup short: ignored
+        on_term.arm()
+        # first, each of its processes stopped with what it started (a raylet still starting
+        # dies of SIGTERM without ending its agents); then what ray.init set up in this process
+        end_trees(_started_by_ray(before))
+        ray.shutdown()
+        if isinstance(e, SystemExit) and e.code == signal.SIGTERM:  # ray.init's own handler
+            raise Terminated() from None
+        raise
     return True
+
+
+def _shutdown(ray, before: set[int]) -> None:
+    """``ray.shutdown()``, then the processes it signalled waited for (and ended if need be):
+    gcs_server and raylet die with this process, killed, which would leave raylet's agents
+    behind."""
+    ray.shutdown()
+    end_trees(_started_by_ray(before))
+
+
+def _started_by_ray(before: set[int]) -> set[int]:
+    """This process's children that are not in ``before`` and whose command names ray."""
+    return {pid for pid in children() - before if "ray" in command_line(pid)}
 
 
 class ShardPlan(NamedTuple):

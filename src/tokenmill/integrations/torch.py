@@ -288,6 +288,7 @@ class TokenDataset(IterableDataset):
 
     def __init__(self, loader: Loader):
         super().__init__()
+        loader.check_ranks()  # here, on every rank: DataLoader workers take no part in collectives
         self._spec = _loader_spec(loader)
         self.fingerprint = loader.fingerprint
         self._stream = loader.describe()  # what the stream depends on, for explained resumes

@@ -29,6 +29,7 @@ from tokenmill import pack
 from tokenmill.errors import ConfigError, StaleIterator, check_int, is_int
 from tokenmill.lifetime import Iteration, OneIterator
 from tokenmill.plan import MAX_CONSUMED, LayoutConfig, resolve_rank
+from tokenmill.ranks import CheckedFirst, agree
 from tokenmill.prepare.pool import UNITS_PER_WORKER
 from tokenmill.prepare.tokenize import PrepareConfig
 from tokenmill.store.format import read_manifest
@@ -137,7 +138,14 @@ class StreamLoader(OneIterator):
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         """Batches from the current position. An earlier iterator raises StaleIterator at its
         next ``next()`` (never ends quietly) once the loader is iterated again, loaded or closed."""
-        return self._batches(self._new_iteration())
+        return CheckedFirst(self.check_ranks, self._batches(self._new_iteration()))
+
+    def check_ranks(self) -> None:
+        """Refuse, on every rank at once, settings or a position that differ from another
+        rank's (``ranks.agree``); run at the first ``next()`` of each pass."""
+        settings = {**asdict(self._plan.order_settings), "batch_size": self.batch_size,
+                    "fingerprint": self.fingerprint, "consumed_samples": self._consumed}
+        agree("stream loader", settings, rank=self.rank, world_size=self.world_size)
 
     def _batches(self, token: Iteration) -> Iterator[dict[str, np.ndarray]]:
         while True:

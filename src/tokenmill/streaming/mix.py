@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
+from dataclasses import asdict
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -37,6 +38,7 @@ from tokenmill.errors import ConfigError, StaleIterator, check_int, is_int
 from tokenmill.mixture import Mixture, described_phases, mixture_of
 from tokenmill.plan import MAX_CONSUMED, resolve_rank
 from tokenmill.lifetime import Iteration, OneIterator
+from tokenmill.ranks import CheckedFirst, agree
 from tokenmill.streaming.loader import StreamLoader, open_stream, what_differs
 from tokenmill.streaming.plan import STATE_VERSION, digest, resolve_stream_workers
 from tokenmill.streaming.producer import READY_BATCHES
@@ -144,7 +146,16 @@ class MixedStreamLoader(OneIterator):
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         """Batches from the current position; an earlier iterator raises StaleIterator."""
-        return self._batches(self._new_iteration())
+        return CheckedFirst(self.check_ranks, self._batches(self._new_iteration()))
+
+    def check_ranks(self) -> None:
+        """Refuse, on every rank at once, settings or a position that differ from another
+        rank's (``ranks.agree``); run at the first ``next()`` of each pass."""
+        order = asdict(self.sources[0].plan.order_settings)
+        agree("stream loader", {"mixture": described_phases(self.mixture), **order,
+                                "batch_size": self.batch_size, "fingerprint": self.fingerprint,
+                                "consumed_samples": self._consumed},
+              rank=self.rank, world_size=self.world_size)
 
     def _retire(self, why: str) -> None:
         super()._retire(why)
