@@ -24,8 +24,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from tokenmill.errors import (ConfigError, Terminated, TokenmillError, is_int, os_error_text,
-                              redact)
+from tokenmill.errors import ConfigError, Terminated, TokenmillError, is_int, os_error_text, redact
 
 USAGE_EXIT = 2  # argparse's code; also every TokenmillError (a refusal that says what to do)
 FAILED_EXIT = 1  # the system said no: a read-only disk, a missing folder, out of memory
@@ -63,9 +62,9 @@ def ordinary_failure(command: str, error: BaseException) -> int | None:
         return CLOSED_STDOUT_EXIT
     if isinstance(error, (KeyboardInterrupt, Terminated)):
         resume = "; run the same command again to resume" if command == "prepare" else ""
-        if isinstance(error, Terminated):
-            return say(command, f"terminated (SIGTERM){resume}", error.code)
-        return say(command, f"interrupted{resume}", INTERRUPTED_EXIT)
+        term = isinstance(error, Terminated)
+        return say(command, ("terminated (SIGTERM)" if term else "interrupted") + resume,
+                   error.code if term else INTERRUPTED_EXIT)
     if isinstance(error, TokenmillError):
         return say(command, f"error: {error}", USAGE_EXIT)
     if isinstance(error, OSError):
