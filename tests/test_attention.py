@@ -309,7 +309,7 @@ def test_max_segments_caps_every_row_and_reports_its_padding(paragraph_store, tm
         assert base["max_segments"] is None and base["most_segments"] > 8  # the cap binds
         used = int(layout.seg_len.sum())
         assert stats["padding_at_most"] >= 1 - used / (layout.num_rows * 513) - 1e-12
-        assert stats["num_truncated"] == base["num_truncated"]  # the cap cuts no document
+        assert layout.num_truncated == free_layout.num_truncated  # the cap cuts no document
         assert layout.padding_fraction > free_layout.padding_fraction  # what the cap costs
         if cap == 1:
             assert layout.num_rows == len(layout.seg_len)  # one segment a row

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import stdlib_texts, write_jsonl
-from faults.conftest import SIZE, files_under, record
+from faults.conftest import SIZE, record
 from faults.programs import digest
 from tokenmill import Loader
 from tokenmill.errors import StoreError
@@ -26,7 +26,7 @@ LAYOUTS = ("concat", "packed")
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
-    """A real store (several shards) with its packed-layout cache, and the Loader's streams."""
+    """A real store (several shards), and the Loader's streams."""
     root = tmp_path_factory.mktemp("pristine")
     write_jsonl(root / "c.jsonl", stdlib_texts(120_000))
     store = root / "store"
@@ -131,28 +131,6 @@ def test_every_damage_to_every_store_file_is_found_by_verify_and_never_read_sile
                     else:
                         silent.append(f"{name} {case} {layout}: opened and read")
             path.write_bytes(original)
-            if files_under(work / "layouts") != files_under(store / "layouts"):
-                shutil.rmtree(work / "layouts")
-                shutil.copytree(store / "layouts", work / "layouts")
     assert missed == [], f"verify missed {len(missed)} of {counts['damaged']}: {missed[:5]}"
     assert silent == [], f"the Loader read {len(silent)} damaged stores: {silent[:5]}"
     record("corruption", **counts, found_fraction=counts["found_by_verify"] / counts["damaged"])
-
-
-def test_a_damaged_layout_cache_is_rebuilt_and_the_stream_is_unchanged(tmp_path, pristine):
-    store, streams = pristine
-    work = tmp_path / "store"
-    shutil.copytree(store, work)
-    (cache,) = (work / "layouts").iterdir()
-    original = cache.read_bytes()
-    rng = random.Random(12)
-    n = 0
-    for case, damage, _ in cases_for(len(original), rng, every_byte=False)[::3]:
-        damage(cache)
-        assert loader_stream(work, "packed") == streams["packed"], case
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # the cache left behind is valid: no rebuild warning
-            assert loader_stream(work, "packed") == streams["packed"], case
-        cache.write_bytes(original)
-        n += 1
-    record("corruption", layout_cache_damages_healed=n)

@@ -185,13 +185,20 @@ def read_idx_entries(path: str | os.PathLike, local: np.ndarray, *,
         at = {d: i for i, d in enumerate(want)}
         lengths, pointers = np.empty(len(want), np.int64), np.empty(len(want), np.int64)
         lens_at, ptrs_at, fd, a = IDX_HEADER.size, IDX_HEADER.size + 4 * n, f.fileno(), 0
+        dtype = np.dtype(DTYPE_CODES[code])
         for b in range(1, len(want) + 1):  # runs of consecutive ids: one pread each array
             if b == len(want) or want[b] != want[b - 1] + 1:
                 first, k = want[a], b - a
                 lengths[a:b] = np.frombuffer(os.pread(fd, 4 * k, lens_at + 4 * first), "<i4")
-                pointers[a:b] = np.frombuffer(os.pread(fd, 8 * k, ptrs_at + 8 * first), "<i8")
+                more = min(k + 1, n - first)  # and the next document's offset: where it ends
+                ptrs = np.frombuffer(os.pread(fd, 8 * more, ptrs_at + 8 * first), "<i8")
+                pointers[a:b] = ptrs[:k]
+                if np.any(np.diff(ptrs) != lengths[a:a + more - 1] * dtype.itemsize) or \
+                        (first == 0 and ptrs[0] != 0):
+                    raise StoreError(f"{path}: documents {first:,}..{first + k - 1:,}: offsets and "
+                                     "lengths disagree; the index is damaged — run 'tokenmill "
+                                     "verify'")
                 a = b
-    dtype = np.dtype(DTYPE_CODES[code])
     tokens = int(pointers[-1]) // dtype.itemsize + int(lengths[-1]) if n else 0
     back = np.fromiter((at[d] for d in ids[:len(local)]), np.int64, len(local))
     return IdxEntries(dtype, n, tokens, pointers[back], lengths[back])
