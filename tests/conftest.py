@@ -321,7 +321,8 @@ class OnTerminal:
         deadline = time.monotonic() + timeout
         while not re.search(pattern, self.seen):
             assert self.proc.poll() is None, f"ended before {pattern!r}:\n{self.seen[-2000:]}"
-            assert time.monotonic() < deadline, f"no {pattern!r} in {timeout} s:\n{self.seen[-2000:]}"
+            assert time.monotonic() < deadline, \
+                f"no {pattern!r} in {timeout} s:\n{self.seen[-2000:]}"
             if select.select([self.master], [], [], 0.5)[0]:
                 self._drain()
         return self.seen
