@@ -304,3 +304,87 @@ def assert_worker_death_is_an_error(batches, workers, *, budget: int = 100_000):
             next(batches)
     assert time.monotonic() - t0 < 10
     return e.value
+
+
+class OnTerminal:
+    """A command whose stderr is a terminal (a pty of 24 × 100), as a user's: prepare shows its
+    progress bar there. ``until(pattern)`` reads what it wrote up to a match; ``finish()`` waits
+    for the exit and returns everything it wrote."""
+
+    def __init__(self, cmd, env=None):
+        import fcntl
+        import struct
+        import subprocess
+        import termios
+        self.master, slave = os.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=slave)
+        os.close(slave)
+        self.seen = ""
+
+    def until(self, pattern: str, timeout: float = 300) -> str:
+        """Everything written so far, once ``pattern`` (a regex) shows in it."""
+        import re
+        import select
+        import time
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.seen):
+            assert self.proc.poll() is None, f"ended before {pattern!r}:\n{self.seen[-2000:]}"
+            assert time.monotonic() < deadline, \
+                f"no {pattern!r} in {timeout} s:\n{self.seen[-2000:]}"
+            if select.select([self.master], [], [], 0.5)[0]:
+                self._drain()
+        return self.seen
+
+    def finish(self, timeout: float = 120) -> str:
+        """Wait for the command to end (killed if it has not within ``timeout``); all it wrote."""
+        try:
+            self.proc.wait(timeout=timeout)
+            self._drain()
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            os.close(self.master)
+        return self.seen
+
+    def lines(self) -> list[str]:
+        """What it wrote, as the lines a terminal shows (a bar's redraws each a line)."""
+        import re
+        return [ln.strip() for ln in re.split(r"[\r\n]+", self.seen) if ln.strip()]
+
+    def _drain(self) -> None:
+        import select
+        while select.select([self.master], [], [], 0.2)[0]:
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:  # EIO: every writer has closed its side
+                return
+            if not chunk:
+                return
+            self.seen += chunk.decode(errors="replace")
+
+
+HOLD_MODULE = '''import os, time
+
+def text(record):
+    """The record's text; a record marked "hold" waits until the file $TM_GO exists."""
+    while record.get("hold") and not os.path.exists(os.environ["TM_GO"]):
+        time.sleep(0.02)
+    return record["text"]
+'''
+
+
+def held_corpus(root: Path, texts: list[str], files: int = 12) -> tuple[Path, dict[str, str]]:
+    """``files`` JSONL inputs under ``root/corpus``, the last one's records marked "hold", and the
+    environment of a run with ``--transform holdtext:text``: its last unit waits until the file
+    ``env["TM_GO"]`` exists, so a run is surely still working once its progress has moved."""
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(files):
+        with open(corpus / f"part-{i:02d}.jsonl", "w", encoding="utf-8") as f:
+            for t in texts[i::files]:
+                f.write(json.dumps({"text": t, "hold": i == files - 1}) + "\n")
+    (root / "holdtext.py").write_text(HOLD_MODULE)
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    return corpus, {**os.environ, "PYTHONPATH": path, "TM_GO": str(root / "go")}

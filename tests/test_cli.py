@@ -5,6 +5,7 @@ import gzip
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -359,3 +360,37 @@ def test_an_s3_store_out_of_reach_is_one_line_naming_it(tmp_path, keys):
     r = subprocess.run([str(TOKENMILL), "inspect", "s3://b/store"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=120)
     assert "s3://b/store" in error_line(r, "inspect")
+
+
+def test_sigterm_ends_prepare_as_ctrl_c_does_in_one_line_and_the_rerun_finishes(
+        tmp_path, real_texts, bpe_tokenizer):
+    from conftest import OnTerminal, held_corpus, store_bytes
+    corpus, env = held_corpus(tmp_path, real_texts)  # its last unit waits for env["TM_GO"]
+
+    def command(out, *quiet):
+        return [str(TOKENMILL), "prepare", str(corpus), "--out", str(out), "--tokenizer",
+                bpe_tokenizer, "--shard-tokens", "30000", "--workers", "2", "--transform",
+                "holdtext:text", *quiet]
+
+    cmd = command(tmp_path / "out")
+    run = OnTerminal(cmd, env)
+    run.until(r"prepare:\s+[1-9]\d*%")  # working: its own bar has moved past 0%
+    run.proc.send_signal(signal.SIGTERM)
+    seen = run.finish()
+    assert (run.proc.returncode, run.lines()[-1]) == (
+        143, "tokenmill prepare: terminated (SIGTERM); run the same command again to resume"), seen
+    assert "Traceback" not in seen and len([ln for ln in run.lines() if "tokenmill" in ln]) == 1
+    workers = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p)[-3:-2] ==
+               ["tokenmill.child"] and _cmdline(p)[-1] == str(run.proc.pid)]
+    assert workers == []  # its worker processes ended with it
+    Path(env["TM_GO"]).touch()
+    subprocess.run([*cmd, "--quiet"], env=env, check=True, timeout=600)  # the rerun finishes …
+    subprocess.run(command(tmp_path / "ref", "--quiet"), env=env, check=True, timeout=600)
+    assert store_bytes(tmp_path / "out") == store_bytes(tmp_path / "ref")  # … as if never cut
+
+
+def _cmdline(pid: str) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []

@@ -294,13 +294,23 @@ def test_sigterm_raises_terminated_once_and_the_old_handler_comes_back():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # a signal handler runs between bytecodes: never reached
     assert caught.value.code == 143  # uncaught, the process exits as a shell reports SIGTERM
-    with sigterm_exits() as handler:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a library replaced it …
-        handler.arm()  # … and it is put back
-        handler.fired = True  # cleaning up after the first: later ones are ignored
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.01)
+    with pytest.raises(Terminated) as caught:
+        with sigterm_exits() as handler:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a library replaced it …
+            handler.arm()  # … and it is put back
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+            except Terminated:
+                os.kill(os.getpid(), signal.SIGTERM)  # while cleaning up: only noted
+                time.sleep(0.01)
+                raise SystemExit(1)  # what ray.wait makes of it: still Terminated outside
+    assert isinstance(caught.value.__cause__, SystemExit) and handler.received
     assert signal.getsignal(signal.SIGTERM) == before
+    with pytest.raises(ValueError):  # nothing received: an error is itself
+        with sigterm_exits() as handler:
+            handler.quiet = True
+            raise ValueError("x")
 
 
 def test_end_trees_ends_children_and_what_they_started():

@@ -2,25 +2,20 @@
 errors arrive as themselves; nothing left behind in ~ or /tmp/ray. One local Ray instance
 (2 CPUs, 127.0.0.1, no dashboard) serves the module; deselect with ``-m "not ray"``."""
 
-import fcntl
 import os
-import re
 import secrets
-import select
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
-import termios
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import store_bytes, write_jsonl
+from conftest import OnTerminal, held_corpus, store_bytes, write_jsonl
 from tokenmill.errors import ConfigError, InputError
 from tokenmill.integrations.ray import Job, cut, stage_unit
 from tokenmill.prepare import PrepareConfig, prepare
@@ -221,10 +216,10 @@ def test_a_transform_and_a_split_give_the_local_engines_stores(ray_cluster, tmp_
 
 # ---- SIGTERM (issue 22, class 9) ------------------------------------------------------------
 
-def _own_ray_env(ray_tmp: str) -> dict[str, str]:
-    """The environment of a command starting its own private Ray instance, its files (and, in
-    every process of it, this variable) under ``ray_tmp``."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def _own_ray_env(ray_tmp: str, base: dict[str, str]) -> dict[str, str]:
+    """``base`` for a command starting its own private Ray instance, its files (and, in every
+    process of it, this variable) under ``ray_tmp``."""
+    env = {k: v for k, v in base.items() if k != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0",
                RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_TOKEN=secrets.token_hex(32))
     return env
@@ -247,72 +242,37 @@ def _processes_with(marker: bytes) -> list[str]:
     return found
 
 
-def _read_pty_until(fd: int, proc, pattern: str, deadline: float) -> str:
-    """What the command wrote to its terminal, up to the first match of ``pattern``."""
-    seen = ""
-    while not re.search(pattern, seen):
-        assert proc.poll() is None, f"it ended before {pattern!r}:\n{seen[-2000:]}"
-        assert time.monotonic() < deadline, f"no {pattern!r} within the deadline:\n{seen[-2000:]}"
-        if select.select([fd], [], [], 0.5)[0]:
-            seen += _drain(fd)
-    return seen
-
-
-def _drain(fd: int) -> str:
-    """The rest of what a terminal holds, once the command has ended."""
-    out = ""
-    while select.select([fd], [], [], 0.2)[0]:
-        try:
-            chunk = os.read(fd, 65536)
-        except OSError:  # EIO: every writer has closed its side
-            break
-        if not chunk:
-            break
-        out += chunk.decode(errors="replace")
-    return out
-
-
 def test_sigterm_stops_the_private_ray_instance_in_one_line_and_the_rerun_finishes(
         tmp_path, real_texts, bpe_tokenizer):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(12):  # 12 files: 12 units, a few at a time on 2 CPUs
-        write_jsonl(corpus / f"part-{i:02d}.jsonl", real_texts[i::12] * 2)
-    ref = tmp_path / "ref"
-    prepare([str(corpus)], out=ref, tokenizer=bpe_tokenizer, workers=2, shard_tokens=30_000,
-            progress=False)
+    corpus, env = held_corpus(tmp_path, real_texts)  # its last unit waits for env["TM_GO"]
     ray_tmp = tempfile.mkdtemp(prefix="tm-term-")  # short: Ray's socket paths must stay < 108
-    env, out = _own_ray_env(ray_tmp), tmp_path / "out"
-    cmd = [sys.executable, "-m", "tokenmill", "prepare", str(corpus), "--out", str(out),
-           "--tokenizer", bpe_tokenizer, "--shard-tokens", "30000", "--engine", "ray",
-           "--workers", "2"]
+    env = _own_ray_env(ray_tmp, env)
+
+    def command(out, *engine):
+        return [sys.executable, "-m", "tokenmill", "prepare", str(corpus), "--out", str(out),
+                "--tokenizer", bpe_tokenizer, "--shard-tokens", "30000", "--transform",
+                "holdtext:text", "--workers", "2", *engine]
+
+    cmd = command(tmp_path / "out", "--engine", "ray")
     try:
-        master, slave = os.openpty()  # a terminal, as a user's: prepare shows its progress bar
-        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=slave)
-        os.close(slave)
-        try:  # working: its own bar has moved past 0% (the first units are tokenized)
-            seen = _read_pty_until(master, proc, r"prepare:\s+[1-9]\d*%", time.monotonic() + 300)
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
-            seen += _drain(master)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            os.close(master)
-        lines = [ln.strip() for ln in re.split(r"[\r\n]+", seen) if ln.strip()]
-        said = [ln for ln in lines if ln.startswith("tokenmill prepare:")]
-        assert (proc.returncode, said) == (143, [
+        run = OnTerminal(cmd, env)
+        run.until(r"prepare:\s+[1-9]\d*%")  # working: its own bar has moved past 0%
+        run.proc.send_signal(signal.SIGTERM)
+        seen = run.finish()
+        said = [ln for ln in run.lines() if ln.startswith("tokenmill prepare:")]
+        assert (run.proc.returncode, said) == (143, [
             "tokenmill prepare: terminated (SIGTERM); run the same command again to resume"]), \
             seen[-3000:]
-        assert lines[-1] == said[0]
+        assert run.lines()[-1] == said[0]
         assert "SIGTERM received" not in seen and "Traceback" not in seen, seen[-3000:]
         marker = f"RAY_TMPDIR={ray_tmp}".encode()
         assert _processes_with(marker) == []  # nothing of its Ray instance left running
-        assert not (out / "manifest.json").exists()
+        assert not (tmp_path / "out" / "manifest.json").exists()
+        Path(env["TM_GO"]).touch()
         subprocess.run([*cmd, "--quiet"], env=env, check=True, timeout=600)  # the rerun finishes
-        assert store_bytes(out) == store_bytes(ref)
-        assert not (out / ".progress").exists() and _processes_with(marker) == []
+        assert not (tmp_path / "out" / ".progress").exists() and _processes_with(marker) == []
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
+    ref = tmp_path / "ref"  # … as if never cut: the local engine's store, byte for byte
+    subprocess.run(command(ref, "--quiet"), env=env, check=True, timeout=600)
+    assert store_bytes(tmp_path / "out") == store_bytes(ref)

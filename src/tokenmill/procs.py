@@ -127,15 +127,15 @@ def children_ignore_sigint():
 
 
 class SigtermExits:
-    """The SIGTERM handler of ``sigterm_exits``: the first SIGTERM raises ``Terminated``; once
-    ``fired``, later ones are ignored while the cleanup it started runs."""
+    """The SIGTERM handler of ``sigterm_exits``: the first SIGTERM raises ``Terminated`` (unless
+    ``quiet``: cleaning up already); later ones are only noted in ``received``."""
 
     def __init__(self):
-        self.fired = False
+        self.received = self.quiet = False
 
     def __call__(self, signum, frame) -> None:
-        if not self.fired:
-            self.fired = True
+        first, self.received = not self.received, True
+        if first and not self.quiet:
             raise Terminated()
 
     def arm(self) -> None:
@@ -148,9 +148,10 @@ class SigtermExits:
 @contextlib.contextmanager
 def sigterm_exits() -> Iterator[SigtermExits]:
     """Inside: a SIGTERM raises ``Terminated`` in the main thread, so every ``finally`` runs (as
-    for Ctrl-C), and the process exits 143 unless it is caught. Yields the handler (``arm()`` it
-    again after a library replaced it); the handler from before is restored at the end. Outside
-    the main thread it changes nothing."""
+    for Ctrl-C), and the process exits 143 unless it is caught; whatever a library made of it
+    (Ray's ``ray.wait`` turns it into ``SystemExit(1)``) leaves the block as ``Terminated``.
+    Yields the handler (``arm()`` it again after a library replaced it); the handler from before
+    is restored at the end. Outside the main thread it changes nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield SigtermExits()
         return
@@ -159,6 +160,10 @@ def sigterm_exits() -> Iterator[SigtermExits]:
     handler.arm()
     try:
         yield handler
+    except BaseException as e:
+        if handler.received and not isinstance(e, Terminated):
+            raise Terminated() from e
+        raise
     finally:  # None: a handler installed outside Python (such as Ray's), not ours to put back
         signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)
 

@@ -299,7 +299,7 @@ def prepare_on_ray(inputs: Sequence[str], *, out: str | os.PathLike, tokenizer: 
                 Driver(ray, job, run, window, meter, weights).run()
             finally:
                 if owned:
-                    _shutdown(ray, before)
+                    _shutdown(ray, before, on_term)
             manifest = finish(run)
         except BaseException:
             writer.abort()
@@ -325,23 +325,25 @@ def _connect(ray, address: str | None, workers: int | str, on_term: SigtermExits
     try:
         ray.init(address=address, log_to_driver=False, configure_logging=False, **kwargs)
     except BaseException as e:
-        on_term.fired = True  # a SIGTERM now would cut the cleanup short: ignored
+        on_term.quiet = True  # a SIGTERM now would cut the cleanup short: only noted
         on_term.arm()
         # first, each of its processes stopped with what it started (a raylet still starting
         # dies of SIGTERM without ending its agents); then what ray.init set up in this process
         end_trees(_started_by_ray(before))
         ray.shutdown()
+        on_term.arm()  # ray.shutdown leaves SIGTERM to the default action (a silent death)
         if isinstance(e, SystemExit) and e.code == signal.SIGTERM:  # ray.init's own handler
             raise Terminated() from None
         raise
     return True
 
 
-def _shutdown(ray, before: set[int]) -> None:
+def _shutdown(ray, before: set[int], on_term: SigtermExits) -> None:
     """``ray.shutdown()``, then the processes it signalled waited for (and ended if need be):
     gcs_server and raylet die with this process, killed, which would leave raylet's agents
     behind."""
     ray.shutdown()
+    on_term.arm()  # ray.shutdown leaves SIGTERM to the default action (a silent death)
     end_trees(_started_by_ray(before))
 
 
