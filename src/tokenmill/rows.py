@@ -222,7 +222,10 @@ def one_piece_starts(layout, ids: np.ndarray) -> list[int]:
     one_piece_starts(pack_documents(np.array([5, 2]), seq_len=4), np.array([0, 1])) == [0, -1]
     """
     first = layout.row_ptr[ids]
-    whole = (layout.row_ptr[ids + 1] - first == 1) & (layout.seg_len[first] == layout.capacity)
-    return np.where(whole, layout.seg_start[first], -1).tolist()
+    one = np.flatnonzero(layout.row_ptr[ids + 1] - first == 1)  # an empty row has no seg_len
+    out = np.full(len(first), -1, np.int64)
+    whole = one[layout.seg_len[first[one]] == layout.capacity]
+    out[whole] = layout.seg_start[first[whole]]
+    return out.tolist()
 
 

@@ -1,0 +1,57 @@
+"""The lazily packed layout on stores at the edges: rows that hold nothing (a window of empty
+documents, or more rows allotted than its documents can fill) are padding, never a crash, and
+every (input, target) pair is still in exactly one row an epoch."""
+
+from __future__ import annotations
+
+import numpy as np
+from conftest import take, write_positional_store
+
+from tokenmill import Loader
+
+
+def epoch_rows(loader) -> dict[str, np.ndarray]:
+    """The rows of the loader's first epoch, in order (the batches' rows, cut at the epoch)."""
+    n = loader.samples_per_epoch
+    batches = take(loader, -(-n // loader.batch_size))
+    return {k: np.concatenate([b[k] for b in batches])[:n] for k in batches[0]}
+
+
+def pairs_of(rows: dict[str, np.ndarray]) -> np.ndarray:
+    """The (input, target) pairs the rows train on, as their inputs (a positional store: the
+    target of input t is t + 1), sorted."""
+    mask = rows["loss_mask"].astype(bool)
+    assert np.array_equal(rows["targets"][mask], rows["inputs"][mask] + 1)
+    return np.sort(rows["inputs"][mask].astype(np.int64))
+
+
+def store_pairs(lengths: np.ndarray, offset: int) -> np.ndarray:
+    starts = offset + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    return np.concatenate([np.arange(s, s + n - 1) for s, n in zip(starts, lengths) if n > 1])
+
+
+def test_one_token_documents_one_a_row_give_an_epoch_of_rows(tmp_path):
+    # max_segments=1: more rows allotted than the documents fill, and a one-token document
+    # cannot be split: the window's last rows are empty
+    path = write_positional_store(tmp_path / "s", np.ones(700, np.int64), offset=1)
+    with Loader(path, seq_len=4, batch_size=4, layout="packed", num_workers=0,
+                max_segments=1) as ld:
+        rows = epoch_rows(ld)
+    assert not rows["loss_mask"].any()  # a one-token document has no pair
+    buf = np.concatenate([rows["inputs"], rows["targets"][:, -1:]], axis=1)
+    assert np.array_equal(np.sort(buf[buf > 0]), np.arange(1, 701))  # every token once
+
+
+def test_a_store_mostly_of_empty_documents_gives_every_pair_once(tmp_path):
+    # 4 windows of 4,096 documents, one from each stratum: those missing the 3 documents with
+    # tokens hold no segment, yet are allotted a row
+    lengths = np.zeros(16_384, np.int64)
+    lengths[[5, 8_000, 16_380]] = [700, 600, 500]
+    path = write_positional_store(tmp_path / "s", lengths, offset=1)
+    with Loader(path, seq_len=1, batch_size=2, layout="packed", num_workers=0) as ld:
+        plan = ld.plan.sources[0].packed
+        assert plan.num_windows() == 4
+        assert min(plan.window_rows(0, w).layout.seg_len.size for w in range(4)) == 0
+        rows = epoch_rows(ld)
+        assert len(ld.explain(0)) == 2
+    assert np.array_equal(pairs_of(rows), store_pairs(lengths, 1))
