@@ -43,15 +43,16 @@ def test_one_token_documents_one_a_row_give_an_epoch_of_rows(tmp_path):
 
 
 def test_a_store_mostly_of_empty_documents_gives_every_pair_once(tmp_path):
-    # 4 windows of 4,096 documents, one from each stratum: those missing the 3 documents with
-    # tokens hold no segment, yet are allotted a row
-    lengths = np.zeros(16_384, np.int64)
-    lengths[[5, 8_000, 16_380]] = [700, 600, 500]
+    # windows of K documents, one from each stratum: those missing the 3 documents with tokens
+    # hold no segment, yet are allotted a row
+    lengths = np.zeros(32_768, np.int64)
+    lengths[[5, 16_000, 32_760]] = [700, 600, 500]
     path = write_positional_store(tmp_path / "s", lengths, offset=1)
     with Loader(path, seq_len=1, batch_size=2, layout="packed", num_workers=0) as ld:
         plan = ld.plan.sources[0].packed
-        assert plan.num_windows() == 4
-        assert min(plan.window_rows(0, w).layout.seg_len.size for w in range(4)) == 0
+        n = plan.num_windows()
+        assert n >= 4
+        assert min(plan.window_rows(0, w).layout.seg_len.size for w in range(n)) == 0
         rows = epoch_rows(ld)
         assert len(ld.explain(0)) == 2
     assert np.array_equal(pairs_of(rows), store_pairs(lengths, 1))
