@@ -132,6 +132,21 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
+def stop_and_kill(proc: subprocess.Popen) -> tuple[list[psutil.Process], set[str], bool]:
+    """SIGSTOP ``proc`` where it is, list its descendants and the /dev/shm names they hold (the
+    scan takes tens of ms, in which a running program would go on), then SIGKILL it: (its
+    descendants, their /dev/shm names, whether it was still running)."""
+    try:
+        proc.send_signal(signal.SIGSTOP)
+        alive = proc.poll() is None  # if so, not reaped: psutil sees it (a zombie at worst)
+        kids = descendants(proc.pid) if alive else []
+        shm = shm_in_use([psutil.Process(proc.pid), *kids]) if alive else set()
+    finally:
+        proc.kill()
+        proc.wait()
+    return kids, shm, alive
+
+
 def files_under(path: Path) -> list[str]:
     """Every file below ``path``, relative, sorted (hidden ones too)."""
     return sorted(str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file())
@@ -155,25 +170,29 @@ def program(*args) -> list[str]:
 
 @dataclass
 class Interrupt:
-    """What a Ctrl-C did: the exit code, stderr, seconds from SIGINT to exit, and the processes and
-    /dev/shm names the program had right before it."""
+    """What a Ctrl-C did: the exit code, stderr, seconds from SIGINT to exit, seconds from start
+    to ready (the same program's own pace on this machine, now), and the processes and /dev/shm
+    names the program had right before it."""
 
     code: int
     err: str
     seconds: float
+    startup: float
     kids: list[psutil.Process]
     shm: set[str]
 
 
 def press_ctrl_c(cmd: list[str], env: dict, *, ready: Callable[[subprocess.Popen], None],
-                 delay: float, stdout=subprocess.PIPE, timeout: float = 10) -> Interrupt:
+                 delay: float, stdout=subprocess.PIPE, timeout: float = 120) -> Interrupt:
     """Run ``cmd`` in its own session; once ``ready(proc)`` returns, wait ``delay`` seconds, then
     press Ctrl-C as a terminal does (SIGINT to the whole foreground process group); its exit,
-    timed (killed if it takes over ``timeout`` s)."""
+    timed (killed if it takes over ``timeout`` s: a hang)."""
+    t_start = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         ready(proc)
+        startup = time.monotonic() - t_start
         time.sleep(delay)
         kids = descendants(proc.pid)
         shm = shm_in_use([psutil.Process(proc.pid), *kids])
@@ -189,7 +208,17 @@ def press_ctrl_c(cmd: list[str], env: dict, *, ready: Callable[[subprocess.Popen
     for f in (proc.stdout, proc.stderr):
         if f is not None:
             f.close()
-    return Interrupt(code, err, seconds, kids, shm)
+    return Interrupt(code, err, seconds, startup, kids, shm)
+
+
+def assert_exits_promptly(hit: Interrupt) -> None:
+    """A Ctrl-C ended the program within twice its own start-up time (start to ready, measured
+    on the same run), and at most 2 s on a machine where it starts faster than 1 s: no fixed
+    wall-clock bound that a loaded machine breaks, yet a cleanup that waits out a timeout, or
+    hangs, still fails."""
+    bound = max(2.0, 2 * hit.startup)
+    assert hit.seconds < bound, (f"took {hit.seconds:.2f} s to exit after Ctrl-C; it started in "
+                                 f"{hit.startup:.2f} s, so the bound is {bound:.2f} s")
 
 
 def assert_nothing_left(kids: list[psutil.Process], shm: set[str], tmpdir: Path,
