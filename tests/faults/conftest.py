@@ -8,15 +8,17 @@ written there as JSON (docs/reliability.md quotes them).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import psutil
 import pytest
@@ -39,15 +41,20 @@ class Size:
     soak_batches: int  # batches through a process-worker Loader while RSS is watched
     full_index: bool  # scale test writes the whole >2^31-document index, not only its tail
     flip_masks: tuple[int, ...]  # every byte of manifests and indexes is flipped with each mask
+    resume_scenarios: int  # random resume scenarios run in-process (tests/faults/test_resume_fuzz)
+    resume_kills: int  # random resume scenarios with one leg a training script killed with -9
+    prepare_scenarios: int  # random prepare scenarios (kill -9, rerun, compare every file)
 
 
 SIZES = {
     "quick": Size(train_kills=20, prepare_kills=10, interrupts=4, fuzz_examples=2_000,
                   fuzz_prepare=60, atheris_runs=3_000, soak_batches=20_000, full_index=False,
-                  flip_masks=(0x01,)),
+                  flip_masks=(0x01,), resume_scenarios=200, resume_kills=6,
+                  prepare_scenarios=25),
     "soak": Size(train_kills=100, prepare_kills=40, interrupts=20, fuzz_examples=25_000,
                  fuzz_prepare=600, atheris_runs=200_000, soak_batches=1_000_000, full_index=True,
-                 flip_masks=(0x01, 0x20, 0x80)),
+                 flip_masks=(0x01, 0x20, 0x80), resume_scenarios=2_000, resume_kills=60,
+                 prepare_scenarios=300),
 }
 SIZE_NAME = os.environ.get("TOKENMILL_FAULTS_SIZE", "quick")
 if SIZE_NAME not in SIZES:
@@ -228,3 +235,31 @@ def assert_nothing_left(kids: list[psutil.Process], shm: set[str], tmpdir: Path,
     assert not survivors(kids), f"{what}orphans: {survivors(kids)}"
     assert stale_shm(shm) == [], f"{what}stale shared memory"
     assert files_under(tmpdir) == [], f"{what}temp files left: {files_under(tmpdir)}"
+
+
+# ---- fuzzers (resume_scenarios, prepare_scenarios) ---------------------------------------------
+
+class ScenarioFailed(AssertionError):
+    """A fuzz scenario broke a promise: the message says what, the scenario in one line, and the
+    command that replays it."""
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float, line: str) -> Iterator[None]:
+    """A scenario still running after ``seconds`` hangs: print its line and every thread's stack,
+    then end the process (a hang cannot be interrupted from inside)."""
+    timer = threading.Timer(seconds, _hung, args=(seconds, line))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _hung(seconds: float, line: str) -> None:
+    import faulthandler
+    sys.__stderr__.write(f"\nscenario hung for {seconds:.0f} s: {line}\n")
+    faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
+    sys.__stderr__.flush()
+    os._exit(3)
