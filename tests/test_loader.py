@@ -342,15 +342,32 @@ def test_rank_from_environment(store, monkeypatch):
         assert (ld.rank, ld.world_size) == (1, 3)
 
 
-def test_auto_prefetch_deepens_only_while_waiting(store, monkeypatch):
-    from tokenmill import loader as loader_mod
-    from tokenmill import plan as plan_mod
-    real_fill = plan_mod.BatchPlan.fill
+class VirtualClock:
+    """A perf_counter that moves only when told to: the loader's measured waits and wall time
+    become what the test says, whatever else the machine is doing."""
 
-    def slow_fill(self, positions, out):
-        time.sleep(0.002)
-        real_fill(self, positions, out)
+    def __init__(self):
+        self.now, self.lock = 1000.0, threading.Lock()
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self.lock:
+            self.now += seconds
+
+
+def test_auto_prefetch_deepens_only_while_waiting(store, monkeypatch):
+    import types
+    from tokenmill import loader as loader_mod
+    real_fill = plan_mod.BatchPlan.fill
+    clock = VirtualClock()
+    monkeypatch.setattr(loader_mod, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     monkeypatch.setattr(loader_mod, "TUNE_WINDOW", 10)
+
+    def slow_fill(self, positions, out):  # 2 ms of assembly, on the worker, while we wait
+        real_fill(self, positions, out)
+        clock.advance(0.002)
     with Loader(store, seq_len=L, batch_size=4, rank=0, world_size=1, num_workers=1) as fast_consumer:
         start = fast_consumer.prefetch
         monkeypatch.setattr(plan_mod.BatchPlan, "fill", slow_fill)
@@ -358,11 +375,11 @@ def test_auto_prefetch_deepens_only_while_waiting(store, monkeypatch):
             pass
         assert fast_consumer.prefetch > start
         assert fast_consumer.buffer_bytes() <= loader_mod.PREFETCH_MEMORY_BUDGET
-    monkeypatch.setattr(plan_mod.BatchPlan, "fill", real_fill)
+    monkeypatch.setattr(plan_mod.BatchPlan, "fill", real_fill)  # assembly takes no time at all
     with Loader(store, seq_len=L, batch_size=4, rank=0, world_size=1, num_workers=1) as slow_consumer:
         start = slow_consumer.prefetch
         for _, b in zip(range(40), slow_consumer):
-            time.sleep(0.005)  # the step dominates: nothing to gain from a deeper queue
+            clock.advance(0.005)  # the step dominates: nothing to gain from a deeper queue
         assert slow_consumer.prefetch == start
 
 

@@ -8,15 +8,17 @@ written there as JSON (docs/reliability.md quotes them).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import psutil
 import pytest
@@ -39,15 +41,20 @@ class Size:
     soak_batches: int  # batches through a process-worker Loader while RSS is watched
     full_index: bool  # scale test writes the whole >2^31-document index, not only its tail
     flip_masks: tuple[int, ...]  # every byte of manifests and indexes is flipped with each mask
+    resume_scenarios: int  # random resume scenarios run in-process (tests/faults/test_resume_fuzz)
+    resume_kills: int  # random resume scenarios with one leg a training script killed with -9
+    prepare_scenarios: int  # random prepare scenarios (kill -9, rerun, compare every file)
 
 
 SIZES = {
     "quick": Size(train_kills=20, prepare_kills=10, interrupts=4, fuzz_examples=2_000,
                   fuzz_prepare=60, atheris_runs=3_000, soak_batches=20_000, full_index=False,
-                  flip_masks=(0x01,)),
+                  flip_masks=(0x01,), resume_scenarios=200, resume_kills=6,
+                  prepare_scenarios=25),
     "soak": Size(train_kills=100, prepare_kills=40, interrupts=20, fuzz_examples=25_000,
                  fuzz_prepare=600, atheris_runs=200_000, soak_batches=1_000_000, full_index=True,
-                 flip_masks=(0x01, 0x20, 0x80)),
+                 flip_masks=(0x01, 0x20, 0x80), resume_scenarios=2_000, resume_kills=60,
+                 prepare_scenarios=300),
 }
 SIZE_NAME = os.environ.get("TOKENMILL_FAULTS_SIZE", "quick")
 if SIZE_NAME not in SIZES:
@@ -132,6 +139,21 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
+def stop_and_kill(proc: subprocess.Popen) -> tuple[list[psutil.Process], set[str], bool]:
+    """SIGSTOP ``proc`` where it is, list its descendants and the /dev/shm names they hold (the
+    scan takes tens of ms, in which a running program would go on), then SIGKILL it: (its
+    descendants, their /dev/shm names, whether it was still running)."""
+    try:
+        proc.send_signal(signal.SIGSTOP)
+        alive = proc.poll() is None  # if so, not reaped: psutil sees it (a zombie at worst)
+        kids = descendants(proc.pid) if alive else []
+        shm = shm_in_use([psutil.Process(proc.pid), *kids]) if alive else set()
+    finally:
+        proc.kill()
+        proc.wait()
+    return kids, shm, alive
+
+
 def files_under(path: Path) -> list[str]:
     """Every file below ``path``, relative, sorted (hidden ones too)."""
     return sorted(str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file())
@@ -155,25 +177,29 @@ def program(*args) -> list[str]:
 
 @dataclass
 class Interrupt:
-    """What a Ctrl-C did: the exit code, stderr, seconds from SIGINT to exit, and the processes and
-    /dev/shm names the program had right before it."""
+    """What a Ctrl-C did: the exit code, stderr, seconds from SIGINT to exit, seconds from start
+    to ready (the same program's own pace on this machine, now), and the processes and /dev/shm
+    names the program had right before it."""
 
     code: int
     err: str
     seconds: float
+    startup: float
     kids: list[psutil.Process]
     shm: set[str]
 
 
 def press_ctrl_c(cmd: list[str], env: dict, *, ready: Callable[[subprocess.Popen], None],
-                 delay: float, stdout=subprocess.PIPE, timeout: float = 10) -> Interrupt:
+                 delay: float, stdout=subprocess.PIPE, timeout: float = 120) -> Interrupt:
     """Run ``cmd`` in its own session; once ``ready(proc)`` returns, wait ``delay`` seconds, then
     press Ctrl-C as a terminal does (SIGINT to the whole foreground process group); its exit,
-    timed (killed if it takes over ``timeout`` s)."""
+    timed (killed if it takes over ``timeout`` s: a hang)."""
+    t_start = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         ready(proc)
+        startup = time.monotonic() - t_start
         time.sleep(delay)
         kids = descendants(proc.pid)
         shm = shm_in_use([psutil.Process(proc.pid), *kids])
@@ -189,7 +215,17 @@ def press_ctrl_c(cmd: list[str], env: dict, *, ready: Callable[[subprocess.Popen
     for f in (proc.stdout, proc.stderr):
         if f is not None:
             f.close()
-    return Interrupt(code, err, seconds, kids, shm)
+    return Interrupt(code, err, seconds, startup, kids, shm)
+
+
+def assert_exits_promptly(hit: Interrupt) -> None:
+    """A Ctrl-C ended the program within twice its own start-up time (start to ready, measured
+    on the same run), and at most 2 s on a machine where it starts faster than 1 s: no fixed
+    wall-clock bound that a loaded machine breaks, yet a cleanup that waits out a timeout, or
+    hangs, still fails."""
+    bound = max(2.0, 2 * hit.startup)
+    assert hit.seconds < bound, (f"took {hit.seconds:.2f} s to exit after Ctrl-C; it started in "
+                                 f"{hit.startup:.2f} s, so the bound is {bound:.2f} s")
 
 
 def assert_nothing_left(kids: list[psutil.Process], shm: set[str], tmpdir: Path,
@@ -199,3 +235,31 @@ def assert_nothing_left(kids: list[psutil.Process], shm: set[str], tmpdir: Path,
     assert not survivors(kids), f"{what}orphans: {survivors(kids)}"
     assert stale_shm(shm) == [], f"{what}stale shared memory"
     assert files_under(tmpdir) == [], f"{what}temp files left: {files_under(tmpdir)}"
+
+
+# ---- fuzzers (resume_scenarios, prepare_scenarios) ---------------------------------------------
+
+class ScenarioFailed(AssertionError):
+    """A fuzz scenario broke a promise: the message says what, the scenario in one line, and the
+    command that replays it."""
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float, line: str) -> Iterator[None]:
+    """A scenario still running after ``seconds`` hangs: print its line and every thread's stack,
+    then end the process (a hang cannot be interrupted from inside)."""
+    timer = threading.Timer(seconds, _hung, args=(seconds, line))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _hung(seconds: float, line: str) -> None:
+    import faulthandler
+    sys.__stderr__.write(f"\nscenario hung for {seconds:.0f} s: {line}\n")
+    faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
+    sys.__stderr__.flush()
+    os._exit(3)

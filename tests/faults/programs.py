@@ -34,6 +34,21 @@ class Log:
         os.write(self.fd, (json.dumps({"pid": self.pid, **event}) + "\n").encode())
 
 
+def read_log(path) -> list[dict]:
+    """A Log's events; a torn last line (a kill mid-write) is dropped."""
+    from pathlib import Path
+    path = Path(path)
+    events = []
+    if not path.exists():
+        return events
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # only ever the last line a killed run wrote
+    return events
+
+
 def _write_json_atomic(path: str, obj) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -213,7 +228,13 @@ def rss(a: dict) -> None:
                       "steps_per_epoch": steps_per_epoch, "check": check}), flush=True)
 
 
-COMMANDS = {"train": train, "iterate": iterate, "prepare": prepare, "ranks": ranks,
+def fuzz_leg(a: dict) -> None:
+    """A leg of a resume scenario (tests/resume_scenarios.py), run until it is killed."""
+    from faults.resume_runner import child_leg
+    child_leg(a, Log(a["log"]), digest)
+
+
+COMMANDS = {"train": train, "fuzz_leg": fuzz_leg, "iterate": iterate, "prepare": prepare, "ranks": ranks,
             "tokenize_then_start_workers": tokenize_then_start_workers, "rss": rss}
 
 if __name__ == "__main__":

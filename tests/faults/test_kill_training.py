@@ -19,7 +19,7 @@ import pytest
 from conftest import write_positional_store
 from faults.conftest import (SIZE, assert_nothing_left, child_env, descendants, files_under,
                              program, record, shm_in_use)
-from faults.programs import digest
+from faults.programs import digest, read_log
 from tokenmill import Loader
 
 FIRST_BATCH_TIMEOUT = 30  # s: a restart that produces no batch by then hangs
@@ -34,19 +34,6 @@ def stores(tmp_path_factory):
     b = write_positional_store(root / "b", rng.integers(1, 30, size=200), shard_tokens=700,
                                offset=10**8)
     return {str(a): 0.7, str(b): 0.3}
-
-
-def read_log(path) -> list[dict]:
-    """The log's events; a torn last line (a kill mid-write) is dropped."""
-    events = []
-    if not path.exists():
-        return events
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # only ever the last line a killed run wrote
-    return events
 
 
 def test_kill9_training_20x_no_stale_shared_memory_no_restart_from_zero_no_replay_no_hang(

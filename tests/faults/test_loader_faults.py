@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from conftest import take, write_jsonl, write_positional_store
-from faults.conftest import (SIZE, add, assert_nothing_left, child_env, press_ctrl_c, program,
-                             record)
+from faults.conftest import (SIZE, add, assert_exits_promptly, assert_nothing_left, child_env,
+                             press_ctrl_c, program, record)
 from tokenmill import Loader
 
 L = 8
@@ -137,7 +137,7 @@ def test_tokenizer_used_before_worker_processes_start_never_deadlocks(tmp_path, 
            child_start="exec python -m tokenmill.child", seconds=round(time.monotonic() - t0, 1))
 
 
-def test_ctrl_c_during_iteration_exits_within_2s_and_leaves_nothing_behind(tmp_path):
+def test_ctrl_c_during_iteration_exits_promptly_and_leaves_nothing_behind(tmp_path):
     store = write_positional_store(tmp_path / "s", np.full(400, 300), shard_tokens=20_000)
     rng = random.Random(6)
     exits = []
@@ -151,7 +151,7 @@ def test_ctrl_c_during_iteration_exits_within_2s_and_leaves_nothing_behind(tmp_p
         hit = press_ctrl_c(program("iterate", json.dumps(args)), child_env(tmp), ready=ready,
                            delay=rng.uniform(0, 0.5))
         exits.append(hit.seconds)
-        assert hit.seconds < 2.0, f"took {hit.seconds:.2f} s to stop after Ctrl-C"
+        assert_exits_promptly(hit)
         assert hit.code in (-signal.SIGINT, 1, 130), hit.err
         # the user's own traceback, once: no worker prints one
         assert hit.err.count("Traceback") == 1 and "KeyboardInterrupt" in hit.err, hit.err
