@@ -69,7 +69,11 @@ def main(argv=None) -> int:
     ap.add_argument("--kill9", action="store_true", help="one leg a script killed with SIGKILL")
     ap.add_argument("--work", type=Path, help="scratch folder (default: a temporary one)")
     ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--known", action="store_true",
+                    help="replay the fixed scenarios of the open bugs (KNOWN_FAILURES) instead")
     args = ap.parse_args(argv)
+    if args.known:
+        return replay_known(args)
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         work = Path(tmp)
         if args.store or args.text:
@@ -96,6 +100,25 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
     return min(failures, 100)
+
+
+def replay_known(args) -> int:
+    """Run the fixed scenarios of the failures still open; the number that fail."""
+    from faults.resume_scenarios import KNOWN_FAILURES
+    from faults.test_resume_fuzz import FIXED
+    failed = 0
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        world = build_world(Path(tmp) / "world")
+        for name, (known, scn) in FIXED.items():
+            if known not in KNOWN_FAILURES:
+                continue
+            try:
+                check(scn, world, Path(tmp), replay="python benchmarks/fuzz_resume.py --known")
+                print(f"passes now: {name} ({known}): remove it from KNOWN_FAILURES", flush=True)
+            except ScenarioFailed as e:
+                failed += 1
+                print(f"still fails: {name}: {e}", flush=True)
+    return failed
 
 
 if __name__ == "__main__":

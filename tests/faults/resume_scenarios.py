@@ -42,9 +42,6 @@ STOPS = ("stop", "reiter", "rewind")  # in-process; "kill9" only where a scenari
 KNOWN_FAILURES = frozenset({
     "respelled fixed weights",  # {a: 0.9, b: 0.1} → {a: 9, b: 1}: refused, "weights differ"
     "respelled stream phases",  # Loader.from_text(mixture=): a respelled past phase refused
-    "numpy integer settings",  # seed=np.int64(5): state_dict() raises a raw JSON TypeError
-    "stream refusal unnamed",  # from_text: another max_segments/pack_window/layout is refused
-                               # without naming the setting
     "stream pass end",  # from_text: the last samples of the pass (up to shuffle_buffer of them,
                         # and the first after it) differ between the run that streamed the pass
                         # and one that finds the cache complete (a second run, a resume): the

@@ -6,8 +6,8 @@ kill -9 — each global batch compared, every array of it, with a run that never
 The scenarios are in ``faults/resume_scenarios.py``, their runner in ``faults/resume_runner.py``
 (shared with ``benchmarks/fuzz_resume.py``, the longer mode). A failure prints the scenario as one line and
 the command that replays it. The fixed scenarios below are the failure classes of issue 22 that
-concern resume; those still in ``KNOWN_FAILURES`` are expected to fail (strictly: a fix makes
-them pass, and then the name must leave ``KNOWN_FAILURES`` so that random scenarios draw it too).
+concern resume; those still in ``KNOWN_FAILURES`` (open bugs) are left out here and replayed by
+``benchmarks/fuzz_resume.py --known``; a fix removes the name, and random scenarios draw it too.
 """
 
 from __future__ import annotations
@@ -149,10 +149,10 @@ FIXED = {
 
 
 def fixed_params() -> list:
-    """The fixed scenarios; those of a known failure marked to fail until it is fixed."""
-    return [pytest.param(scn, id=name, marks=[pytest.mark.xfail(
-        strict=True, raises=ScenarioFailed, reason=f"issue 22, not fixed yet: {known}")]
-        if known in KNOWN_FAILURES else []) for name, (known, scn) in FIXED.items()]
+    """The fixed scenarios of the failures fixed; a known failure's scenario is not run here
+    (no test is marked to fail: `python benchmarks/fuzz_resume.py --known` replays them)."""
+    return [pytest.param(scn, id=name) for name, (known, scn) in FIXED.items()
+            if known not in KNOWN_FAILURES]
 
 
 @pytest.mark.parametrize("scn", fixed_params())
