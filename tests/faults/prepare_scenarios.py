@@ -36,9 +36,8 @@ from faults.conftest import ScenarioFailed, watchdog
 
 FORMATS = ("txt", "jsonl", "jsonl.gz", "csv", "json", "parquet")
 TRANSFORMS = ("upper", "drop_short", "chat")
-# Failures the fuzzer found that are not fixed yet (see resume_scenarios.KNOWN_FAILURES): left out
-# of the random scenarios; each has a fixed scenario in tests/faults/test_prepare_fuzz.py,
-# replayed by ``benchmarks/fuzz_prepare.py --known``. A fix removes its name here.
+# Failures the fuzzer found that are not fixed yet (see resume_scenarios.KNOWN_FAILURES): not
+# drawn by ``draw``; each has a fixed scenario in tests/faults/test_prepare_fuzz.py.
 KNOWN_FAILURES = frozenset({
     "transform edited",  # a module constant the transform reads, edited between kill and rerun:
                          # accepted, the store mixes documents of both versions (issue 22.1)
@@ -213,7 +212,7 @@ class PrepareRun:
     tokenizers: dict[str, str]
     replay: str
     figures: dict
-    leave_out_known: bool = True  # changes that would meet a known failure left out
+    leave_out_known: bool = True  # random scenarios: changes that meet a known failure left out
 
     def fail(self, what: str) -> None:
         raise ScenarioFailed(f"prepare scenario failed: {what}\n  scenario: {self.scn.line()}\n"
@@ -354,7 +353,7 @@ def kill_at(run: PrepareRun, cmd: list, env: dict, out: Path, kind: str, k: int)
 def check(scn: PrepareScenario, tmp: Path, tokenizers: dict[str, str], *,
           replay: str = "", timeout_s: float = 600, leave_out_known: bool = True) -> dict:
     """Run ``scn`` under ``tmp``; ScenarioFailed (one line, and ``replay``) if a promise broke.
-    ``leave_out_known=False`` (replaying the known failures): make their changes too."""
+    ``leave_out_known=False`` (the fixed scenarios): make the changes of known failures too."""
     root = tmp / f"prepare-{scn.seed}"
     (root / "mods").mkdir(parents=True)
     run = PrepareRun(scn, root, write_corpus(scn, root), tokenizers, replay, {}, leave_out_known)

@@ -5,9 +5,6 @@ byte-identical, every file, to an uninterrupted run's — or, when an input or a
 between the kill and the rerun, the rerun is refused with one line and ``--overwrite`` gives it.
 
 The scenarios are in ``faults/prepare_scenarios.py`` (shared with benchmarks/fuzz_prepare.py).
-The fixed scenarios below are failure classes of issue 22; those still in ``KNOWN_FAILURES``
-(open bugs) are left out here and replayed by ``benchmarks/fuzz_prepare.py --known``; a fix
-removes the name, and random scenarios draw it too.
 """
 
 from __future__ import annotations
@@ -62,8 +59,10 @@ FIXED = {
 }
 
 
-@pytest.mark.parametrize("scn", [pytest.param(scn, id=name) for name, (known, scn) in FIXED.items()
-                                 if known not in KNOWN_FAILURES])
-def test_prepare_fuzz_fixed_scenario(tmp_path, bpe_tokenizer, scn, request):
-    check(scn, tmp_path, {"bytes": "bytes", "bpe": bpe_tokenizer},
+@pytest.mark.parametrize("known, scn", [
+    pytest.param(known, scn, id=name, marks=[pytest.mark.xfail(
+        strict=True, raises=ScenarioFailed, reason=f"issue 22, not fixed yet: {known}")]
+        if known in KNOWN_FAILURES else []) for name, (known, scn) in FIXED.items()])
+def test_prepare_fuzz_fixed_scenario(tmp_path, bpe_tokenizer, known, scn, request):
+    check(scn, tmp_path, {"bytes": "bytes", "bpe": bpe_tokenizer}, leave_out_known=False,
           replay=f"pytest 'tests/faults/test_prepare_fuzz.py::{request.node.name}'")
