@@ -5,6 +5,7 @@ byte-identical, every file, to an uninterrupted run's, or the rerun refused with
 
     python benchmarks/fuzz_prepare.py --scenarios 300 --seed 0
     python benchmarks/fuzz_prepare.py --seed 17 --scenarios 1          # replay one
+    python benchmarks/fuzz_prepare.py --known      # the fixed scenarios of the open bugs
 
 tests/faults/test_prepare_fuzz.py runs seeds 0-24 of the same scenarios (faults/
 prepare_scenarios.py, imported from there: the tests never import benchmarks/). The "bpe"
@@ -37,11 +38,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the first scenario's seed")
     ap.add_argument("--work", type=Path, help="scratch folder (default: a temporary one)")
     ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--known", action="store_true",
+                    help="replay the fixed scenarios of the open bugs (KNOWN_FAILURES) instead")
     args = ap.parse_args(argv)
+    if args.known:
+        return replay_known(args)
     failures, figures, t0 = 0, {}, time.monotonic()
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         work = Path(tmp)
-        bpe = str(train_bpe(stdlib_texts(1_500_000)[:200], 2000, out_path=work / "bpe.json"))
+        bpe = trained_bpe(work)
         for seed in range(args.seed, args.seed + args.scenarios):
             try:
                 got = check(draw(seed), work, {"bytes": "bytes", "bpe": bpe},
@@ -62,6 +67,31 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
     return min(failures, 100)
+
+
+def trained_bpe(work: Path) -> str:
+    """The tests' BPE (vocab 2,000, trained on the same real text), in ``work``."""
+    return str(train_bpe(stdlib_texts(1_500_000)[:200], 2000, out_path=work / "bpe.json"))
+
+
+def replay_known(args) -> int:
+    """Run the fixed scenarios of the failures still open; the number that fail."""
+    from faults.prepare_scenarios import KNOWN_FAILURES
+    from faults.test_prepare_fuzz import FIXED
+    failed = 0
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        tokenizers = {"bytes": "bytes", "bpe": trained_bpe(Path(tmp))}
+        for name, (known, scn) in FIXED.items():
+            if known not in KNOWN_FAILURES:
+                continue
+            try:
+                check(scn, Path(tmp), tokenizers, leave_out_known=False,
+                      replay="python benchmarks/fuzz_prepare.py --known")
+                print(f"passes now: {name} ({known}): remove it from KNOWN_FAILURES", flush=True)
+            except ScenarioFailed as e:
+                failed += 1
+                print(f"still fails: {name}: {e}", flush=True)
+    return failed
 
 
 if __name__ == "__main__":
