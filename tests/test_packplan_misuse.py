@@ -4,10 +4,17 @@ every (input, target) pair is still in exactly one row an epoch."""
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import numpy as np
+import pytest
 from conftest import take, write_positional_store
 
-from tokenmill import Loader
+from tokenmill import Loader, pack
+from tokenmill.packfit import fit_rows
+from tokenmill.packplan import PackedPlan
+from tokenmill.store import TokenStore
 
 
 def epoch_rows(loader) -> dict[str, np.ndarray]:
@@ -56,3 +63,63 @@ def test_a_store_mostly_of_empty_documents_gives_every_pair_once(tmp_path):
         rows = epoch_rows(ld)
         assert len(ld.explain(0)) == 2
     assert np.array_equal(pairs_of(rows), store_pairs(lengths, 1))
+
+
+def python_calls(f) -> int:
+    """Python and C function calls made while ``f()`` runs (sys.setprofile: no clock)."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+    sys.setprofile(count)
+    try:
+        f()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+def test_rows_beyond_the_packing_cost_work_linear_in_segments(cap):
+    # 300 rows more than packing fills: each found by a heap, not a pass over every row
+    length = np.random.default_rng(0).integers(1, 5, 20_000)
+    rows = len(pack.place(length, 65, cap)[1]) + 300
+    out = []
+    calls = python_calls(lambda: out.append(fit_rows(length, 65, rows, cap)))
+    assert len(out[0][3]) == rows + 1
+    assert calls < 16 * len(length), calls  # was 3.1 M (cap 2), 12 M (cap 1): segments × rows
+
+
+class CountingPasses:
+    """A TokenStore that counts its ``doc_spans`` calls from the thread that made it: passes
+    over the shards' indexes that a batch waits for (packing ahead runs in another thread)."""
+
+    def __init__(self, store: TokenStore):
+        self.store, self.passes, self.thread = store, 0, threading.get_ident()
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def __len__(self):
+        return len(self.store)
+
+    def doc_spans(self, ids):
+        self.passes += threading.get_ident() == self.thread
+        return self.store.doc_spans(ids)
+
+
+@pytest.mark.parametrize("where", [0.1, 0.5, 0.93])
+def test_a_resume_deep_in_an_epoch_reads_the_indexes_in_two_passes(tmp_path, where):
+    # the strata's first documents with the first probe, then the block of windows the resumed
+    # rows are packed from, whose prefix sums give the windows after (was 5 passes)
+    lengths = np.random.default_rng(1).integers(0, 700, 13_000)
+    path = write_positional_store(tmp_path / "s", lengths, shard_tokens=90_000)
+    with TokenStore(path) as store:
+        counting = CountingPasses(store)
+        plan = PackedPlan(counting, seq_len=8, max_segments=None, seed=0, salt=0)
+        assert plan.num_windows() > 8 * plan.block
+        counting.passes = 0
+        j = int(plan.num_rows * (5 + where))
+        plan.locate(np.arange(j, j + 4096))  # a block of positions, as the Loader's
+        assert counting.passes == 2

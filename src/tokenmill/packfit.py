@@ -55,29 +55,45 @@ def fit_rows(length: np.ndarray, capacity: int, rows: int, max_segments: int | N
 
 def _split(item, off, seg_len, row, n: int, rows: int, cut: set):
     """New rows n … rows-1: each takes the second half of the segments of the row with the most
-    (ties: the lowest row), or, when every row has one, the second half of the longest segment."""
+    (ties: the lowest row), or, when every row has one, the second half of the longest segment
+    (ties: the first). Both found by heaps (stale entries skipped): O(segments · log)."""
     item, off, seg_len, row = (list(a.tolist()) for a in (item, off, seg_len, row))
-    counts = np.bincount(np.asarray(row, np.int64), minlength=rows).tolist()
+    members: list[list[int]] = [[] for _ in range(rows)]  # each row's segments, in order
+    for i, x in enumerate(row):
+        members[x].append(i)
+    most = [(-len(m), x) for x, m in enumerate(members[:n])]  # (-segments, row)
+    longest = [(-x, i) for i, x in enumerate(seg_len)]  # (-length, segment)
+    heapq.heapify(most)
+    heapq.heapify(longest)
     for new in range(n, rows):
-        r = max(range(new), key=lambda x: (counts[x], -x), default=None)
-        if r is not None and counts[r] >= 2:
-            mine = [i for i, x in enumerate(row) if x == r]
-            for i in mine[len(mine) // 2:]:
+        while most and -most[0][0] != len(members[most[0][1]]):
+            heapq.heappop(most)
+        if most and -most[0][0] >= 2:
+            r = most[0][1]
+            half = len(members[r]) // 2
+            members[r], members[new] = members[r][:half], members[r][half:]
+            for i in members[new]:
                 row[i] = new
-            counts[r], counts[new] = len(mine) // 2, len(mine) - len(mine) // 2
+            heapq.heappush(most, (-half, r))
+            heapq.heappush(most, (-len(members[new]), new))
             continue
-        longest = max(range(len(seg_len)), key=lambda i: seg_len[i], default=None)
-        if longest is None or seg_len[longest] < 3:
+        while longest and -longest[0][0] != seg_len[longest[0][1]]:
+            heapq.heappop(longest)
+        if not longest or -longest[0][0] < 3:
             continue  # nothing left to split: an empty row (only for windows of tiny documents)
-        x = seg_len[longest]
+        at = longest[0][1]
+        x = seg_len[at]
         g = (x + 1) // 2  # pieces [0, g) and [g - 1, x): the token at g - 1 ends one, starts one
-        seg_len[longest] = g
-        item.append(item[longest])
-        off.append(off[longest] + g - 1)
+        seg_len[at] = g
+        item.append(item[at])
+        off.append(off[at] + g - 1)
         seg_len.append(x - g + 1)
         row.append(new)
-        counts[new] = 1
-        cut.add(item[longest])
+        members[new] = [len(item) - 1]
+        heapq.heappush(longest, (-g, at))
+        heapq.heappush(longest, (-(x - g + 1), len(item) - 1))
+        heapq.heappush(most, (-1, new))
+        cut.add(item[at])
     return tuple(np.asarray(a, np.int64) for a in (item, off, seg_len, row))
 
 

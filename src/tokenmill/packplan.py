@@ -130,21 +130,24 @@ class PackedPlan:
                     self._epochs.popitem(last=False)
             return hit
 
-    def _firsts(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    def _firsts(self, epoch: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(global first token of each stratum's first document in ``epoch``, tokens of each
-        stratum): what a probe of P_w starts from (read once per epoch, when first probed)."""
+        stratum, global first token of each of ``ids``): what a probe of P_w starts from (read
+        once per epoch, in the same pass as its first probe's ``ids``), and what it ends at."""
         key = ("firsts", epoch)
         with self._lock:
             hit = self._probes.get(key)
-        if hit is None:
-            shift = self._shift(epoch)
-            starts = self.store.doc_spans(np.concatenate([self.bounds, self.bounds[:-1] + shift]))[0]
-            hit = (starts[self.k + 1:], np.diff(starts[:self.k + 1]))
-            with self._lock:
-                if len(self._probes) >= 4:
-                    self._probes.clear()
-                self._probes[key] = hit
-        return hit
+        if hit is not None:
+            return (*hit, self.store.doc_spans(ids)[0])
+        shift, k = self._shift(epoch), self.k
+        starts = self.store.doc_spans(np.concatenate([self.bounds, self.bounds[:-1] + shift,
+                                                      ids]))[0]
+        hit = (starts[k + 1:2 * k + 1], np.diff(starts[:k + 1]))
+        with self._lock:
+            if len(self._probes) >= 4:
+                self._probes.clear()
+            self._probes[key] = hit
+        return (*hit, starts[2 * k + 1:])
 
     def prefix_tokens(self, epoch: int, w: int) -> int:
         """P_w: tokens of the documents of windows 0 … w-1 in ``epoch``: the P of w's block's
@@ -159,7 +162,13 @@ class PackedPlan:
             if key in self._prefix:
                 return self._prefix[key]
         start = w // self.block * self.block
-        if start == w:
+        with self._lock:  # a resume: P of windows of the block before may be known
+            prev = next((x for x in range(w - 1, max(0, w - self.block) - 1, -1)
+                         if (epoch, x) in self._prefix), None) if start == w else None
+        if prev is not None:
+            spans = [self._raw(epoch, x) for x in range(prev, w)]
+            total = self.prefix_tokens(epoch, prev) + sum(int(n.sum()) for _, _, n in spans)
+        elif start == w:
             total = self._probe(epoch, w)
         else:
             spans = [self._raw(epoch, x) for x in range(start, w)]
@@ -170,10 +179,10 @@ class PackedPlan:
 
     def _probe(self, epoch: int, w: int) -> int:
         """P_w read from the strata: each one's tokens before its w-th document this epoch."""
-        first, sizes = self._firsts(epoch)
         q = self._shift(epoch) + np.minimum(w, self.sizes)
         wrap = q > self.sizes
-        ends = self.store.doc_spans(self.bounds[:-1] + np.where(wrap, q - self.sizes, q))[0]
+        first, sizes, ends = self._firsts(
+            epoch, self.bounds[:-1] + np.where(wrap, q - self.sizes, q))
         return int((ends - first).sum()) + int(sizes[wrap].sum())
 
     def _remember(self, key: tuple[int, int], total: int) -> None:
