@@ -619,3 +619,76 @@ def test_a_global_batch_larger_than_the_pass_is_refused_not_repeated(tmp_path, l
                           cache_dir=tmp_path / "cache", **extra) as ld:
         rows = take(ld, 1)[0]["inputs"]  # a batch the pass holds: distinct rows
         assert len({r.tobytes() for r in rows}) == 2
+
+
+# ---- the end of the pass: streamed, or read from the complete cache (issue 22) ------------------
+
+PASS_END_SCRIPT = """\
+import json, sys
+from tokenmill import Loader
+
+root, cache, jobs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+out = []
+for job in jobs:  # each: its settings, a state to resume from (or null: from the start), steps
+    B, S = job["batch_size"], job["shuffle_buffer"]
+    with Loader.from_text([root], seq_len={L}, batch_size=B, cache_dir=f"{{cache}}-{{B}}-{{S}}",
+                          seed={seed}, num_workers=0, shuffle_buffer=S, unit_bytes=700) as ld:
+        if job["state"] is not None:
+            ld.load_state_dict(job["state"])
+        batches, states = [], []
+        for _, b in zip(range(job["steps"]), ld):
+            batches.append(b["inputs"].tolist())
+            states.append(ld.state_dict())
+        out.append({{"batches": batches, "states": states, "pass_samples": ld.pass_samples}})
+print(json.dumps(out))
+"""
+
+
+def test_a_streamed_pass_ends_as_the_pass_read_from_its_complete_cache(tmp_path):
+    # A pass holds (tokens − L) // L windows, the store's epoch, whatever the epoch-0 offset o:
+    # the stream counted (tokens − o − 1) // L when it emitted a window before it had read the
+    # end of the text, one more when o leaves room at the end, so the last samples of the pass
+    # differed between the run that streamed it and a rerun or a resume that found the cache
+    # complete (here: 40 windows fit after the offset, the store's epoch holds 39)
+    n = 39
+    docs, total = [], 0
+    for d in (d for d in paragraphs(20_000) if d.isascii()):  # a byte a character
+        d = d[:(n + 2) * L - 1 - total - 1]  # the last one cut: L − 1 tokens past 40 windows
+        docs.append(d)
+        total += len(d) + 1  # and its EOS
+        if total == (n + 2) * L - 1:
+            break
+    root = tmp_path / "text"
+    root.mkdir()
+    write_jsonl(root / "a.jsonl", docs)
+    tokens = len(stream_tokens(docs))
+    seed = next(s for s in range(100) if concat_offset(L, seed=s, epoch=0) < tokens % L)
+    assert (tokens - L) // L == n
+    script = tmp_path / "run.py"
+    script.write_text(PASS_END_SCRIPT.format(L=L, seed=seed))
+
+    def run(jobs):
+        res = run_script(script, root, tmp_path / "cache", json.dumps(jobs))
+        assert res.returncode == 0, res.stderr[-3000:]
+        return json.loads(res.stdout)
+
+    settings = [{"batch_size": b, "shuffle_buffer": s} for b in (1, 2, 3) for s in (1, 4, 16)]
+    steps = {b: n // b + 3 for b in (1, 2, 3)}  # the whole pass and into the store's epoch 1
+    # empty caches: each pass is streamed
+    streamed = run([{**s, "state": None, "steps": steps[s["batch_size"]]} for s in settings])
+    # again from the start on the complete caches, and resumed at every step near the end
+    jobs = []
+    for s, first in zip(settings, streamed):
+        assert first["pass_samples"] == n, s
+        b = s["batch_size"]
+        jobs.append({**s, "state": None, "steps": steps[b]})
+        jobs += [{**s, "state": first["states"][k], "steps": steps[b] - 1 - k}
+                 for k in range(n // b - 8, steps[b] - 1)]
+    reruns = iter(run(jobs))
+    for s, first in zip(settings, streamed):
+        again = next(reruns)
+        assert again["pass_samples"] == n, s
+        assert again["batches"] == first["batches"], f"{s}: from the start on the complete cache"
+        for k in range(n // s["batch_size"] - 8, steps[s["batch_size"]] - 1):
+            got = next(reruns)
+            assert got["batches"] == first["batches"][k + 1:], f"{s}: resumed after step {k}"

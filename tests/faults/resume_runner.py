@@ -78,8 +78,8 @@ class Run:
 
     def cache(self, leg: int, rank: int) -> Path:
         """The stream cache a leg's rank writes and reads."""
-        name = {"shared": "cache", "per-leg": f"cache-leg{leg}", "per-rank": f"cache-rank{rank}",
-                "fresh": f"cache-leg{leg}-rank{rank}"}[self.scn.cache]
+        name = {"shared": "cache", "per-leg": f"cache-leg{leg}",
+                "per-rank": f"cache-rank{rank}"}[self.scn.cache]
         return self.tmp / name
 
     def reference(self, leg: Leg, mixture: tuple | None) -> Reference:

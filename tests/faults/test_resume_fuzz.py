@@ -81,8 +81,7 @@ def mail(phases):
     return tuple((s, tuple(("mail" if n == "math" else n, w) for n, w in ws)) for s, ws in phases)
 
 
-# every loader on a cache of its own: "shared" once the "stream pass end" fix lands
-STREAM = dict(source="stream", cache="fresh", seq_len=32, loader_seed=3,
+STREAM = dict(source="stream", cache="shared", seq_len=32, loader_seed=3,
               stream_options=(("shuffle_buffer", 4), ("unit_bytes", 1500),
                               ("shard_tokens", 1500), ("pack_window", 3)))
 

@@ -56,6 +56,17 @@ class WindowSource(Protocol):
         """Stop reading; idempotent."""
 
 
+def pass_tokens(windows: int, seq_len: int) -> int:
+    """Tokens the text must hold for the pass to hold ``windows`` concat windows: (windows + 1)·L,
+    the store's rule (``pack.concat_num_samples``: (tokens − L) // L windows, whatever the
+    epoch-0 offset o < L), so a streamed pass counts the windows of its cache store; the last
+    of them ends at o + windows·L + 1 <= (windows + 1)·L, so each is whole.
+
+    pass_tokens(39, seq_len=32) == 1280
+    """
+    return (windows + 1) * seq_len
+
+
 def copy_window(data: np.ndarray, out: dict[str, np.ndarray], row: int) -> None:
     """L + 1 tokens into row ``row``: the first L as inputs, the last L as targets."""
     out["inputs"][row] = data[:-1]
@@ -114,8 +125,9 @@ class TextWindows:
         self.peak = 0
 
     def confirm(self, windows: int) -> None:
-        """Read until windows [0, windows) are complete (or the input ends)."""
-        while self.num_windows is None and self.next.token < self.plan.window_start(windows) + 1:
+        """Read until windows [0, windows) are in the pass (or the input ends)."""
+        while self.num_windows is None and self.next.token < pass_tokens(windows,
+                                                                         self.plan.seq_len):
             self.pull()
 
     def drain(self) -> None:
