@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tokenmill.store",),
     ("tokenmill.prepare.split", "tokenmill.prepare.transform"),
     ("tokenmill.prepare.tokenize",),
-    ("tokenmill.prepare.pool",),
+    ("tokenmill.prepare.pool", "tokenmill.prepare.identity"),
     ("tokenmill.prepare.run",),
     ("tokenmill.integrations.ray",),
     ("tokenmill.prepare",),

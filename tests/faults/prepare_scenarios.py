@@ -38,11 +38,7 @@ FORMATS = ("txt", "jsonl", "jsonl.gz", "csv", "json", "parquet")
 TRANSFORMS = ("upper", "drop_short", "chat")
 # Failures the fuzzer found that are not fixed yet (see resume_scenarios.KNOWN_FAILURES): not
 # drawn by ``draw``; each has a fixed scenario in tests/faults/test_prepare_fuzz.py.
-KNOWN_FAILURES = frozenset({
-    "finished store, input rewritten",  # an input of a finished store rewritten under the same
-                                        # size and mtime: the rerun says "already complete" and
-                                        # keeps the stale store (``changed`` skips that change)
-})
+KNOWN_FAILURES: frozenset[str] = frozenset()
 TRANSFORM_MODULE = '''
 """Transforms of the prepare fuzzer (written per scenario)."""
 TEMPLATE = {template!r}
@@ -397,11 +393,6 @@ def changed(run: PrepareRun, settings: dict, ref: dict) -> tuple[dict, dict]:
     """Apply the scenario's change before the last run: the new settings and their reference."""
     what = run.scn.change
     if what is None:
-        return settings, ref
-    if what == "input same size" and run.leave_out_known and \
-            "finished store, input rewritten" in KNOWN_FAILURES and \
-            any((side / "manifest.json").exists() for side in sides(run.root / "out")):
-        run.count("changes left out (known failure)")
         return settings, ref
     if what.startswith("input"):
         change_input(run.src, grow=what == "input grown")

@@ -35,12 +35,13 @@ from typing import Any, Callable, Mapping, Sequence
 from tokenmill import readers, sources, tabular
 from tokenmill.errors import ConfigError
 from tokenmill.io import file_size, is_url, redact
+from tokenmill.prepare.identity import check_unchanged, finished_ids, input_ids
 from tokenmill.prepare.pool import ReadAhead, UnitPool, ordered_results
 from tokenmill.prepare.tokenize import (PrepareConfig, UnitResult, engine_option, engine_record,
                                         input_name, unit_digest)
 from tokenmill.procs import resolve_workers, usable_cores
 from tokenmill.records import COMPRESSED, changed, io_errors
-from tokenmill.store.format import SOURCE_KINDS, SOURCES, Origins
+from tokenmill.store.format import INPUT_IDS, SOURCE_KINDS, SOURCES, Origins
 from tokenmill.store.upload import RemoteOut
 from tokenmill.store.writer import StoreWriter, WriterConfig
 from tokenmill.tokenizer import Tokenizer, load_tokenizer, token_dtype
@@ -86,6 +87,7 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
         report(f"note: {listing.ignored}; prepare reads regular files of .txt, .jsonl[.gz|.zst], "
                ".json[.gz|.zst], .csv, .tsv, .parquet, .arrow", progress)
     sizes = file_sizes(files, storage_options)
+    ids = input_ids(files, storage_options)  # before any input is read again (a resume's check)
     settings = config.settings(inputs, files, sizes, storage_options)
     if "spec" in tok.identity():  # a name: a resume must find the very same file behind it
         settings["tokenizer_file_xxh3"] = tok.identity()["file_xxh3"]
@@ -108,17 +110,13 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
                                       overwrite=overwrite, origins=True),
                          remote=remote, check=input_check(planned, storage_options, progress))
     if writer.manifest is not None:
-        done = writer.manifest
-        writer.close()
-        report(f"{writer.where}: already complete ({done['num_documents']:,} documents, "
-               f"{done['num_tokens']:,} tokens)", progress)
-        return done
+        return already_complete(writer, files, storage_options, progress)
     if writer.cursor == (0, 0) and not writer.shards:
         for s in list_skips:
             writer.skips.add(s)
     try:
         run = Run(config, writer, tok, files, sizes, settings, storage_options, progress,
-                  planned(), inputs_record(files, planned(), storage_options))
+                  planned(), inputs_record(files, planned(), storage_options, ids))
         if getattr(tok, "source", None):
             report(f"tokenizer {config.tokenizer}: {tok.source}", progress)
         if tok.kind == "hf":
@@ -127,6 +125,18 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
     except BaseException:
         writer.close()
         raise
+
+
+def already_complete(writer: StoreWriter, files: Sequence[str], storage_options,
+                     progress: bool | None) -> dict:
+    """The manifest of the store the output already holds, once its inputs are found unchanged
+    since it was prepared (``prepare.identity``: else a ConfigError naming the one that changed)."""
+    done = writer.manifest
+    writer.close()
+    check_unchanged(done, files, storage_options, writer.where)
+    report(f"{writer.where}: already complete ({done['num_documents']:,} documents, "
+           f"{done['num_tokens']:,} tokens)", progress)
+    return done
 
 
 def input_check(units: Callable[[], list[sources.Unit]], storage_options,
@@ -259,18 +269,32 @@ def run_local(run: Run, workers: int, pool: UnitPool | None = None,
 
 def finish(run: Run) -> dict:
     """Write the manifest of a run whose every unit is in (either engine); the manifest."""
-    return run.writer.finish(run.tok.identity(), run.settings,
-                             {"tokenizer_engine": engine_record(run.tok), **run.inputs})
+    return run.writer.finish(run.tok.identity(), run.settings, {
+        "tokenizer_engine": engine_record(run.tok),
+        **inputs_finished(run.inputs, run.units, run.writer, run.storage_options)})
 
 
-def inputs_record(files: Sequence[str], units: Sequence[sources.Unit], storage_options) -> dict:
-    """The manifest's record of the input files: each as recorded (``sources``) and what its
-    documents' numbers count (``source_kinds``), so ``explain`` never reads an input again."""
+def inputs_record(files: Sequence[str], units: Sequence[sources.Unit], storage_options,
+                  ids: Sequence[dict | None] | None = None) -> dict:
+    """The manifest's record of the input files: each as recorded (``sources``), what its
+    documents' numbers count (``source_kinds``), so ``explain`` never reads an input again, and
+    its identity (``ids``, else taken now; ``inputs_finished`` adds the content)."""
     first: dict[str, sources.Unit] = {}
     for unit in units:
         first.setdefault(unit.path, unit)
+    ids = input_ids(files, storage_options) if ids is None else list(ids)
     return {SOURCES: [input_name(f) for f in files],
-            SOURCE_KINDS: [source_kind(first.get(f), storage_options) for f in files]}
+            SOURCE_KINDS: [source_kind(first.get(f), storage_options) for f in files],
+            INPUT_IDS: ids}
+
+
+def inputs_finished(record: dict, units: Sequence[sources.Unit], writer: StoreWriter,
+                    storage_options) -> dict:
+    """``inputs_record``'s fields as the manifest holds them, once every unit is written: each
+    file's identity with the hash of its bytes (``prepare.identity``)."""
+    ids = finished_ids(record[INPUT_IDS], record[SOURCES], units, writer.input_digests,
+                       storage_options)
+    return {**record, INPUT_IDS: ids}
 
 
 def source_kind(unit: sources.Unit | None, storage_options) -> str | None:

@@ -88,6 +88,7 @@ SRC_VERSION = 1
 SRC_HEADER = struct.Struct("<8sQQ")  # magic, version, N: 24 bytes
 SOURCES = "sources"  # manifest: the input files a .src's file ids index
 SOURCE_KINDS = "source_kinds"  # manifest: what those files' numbers count (records.ORIGIN_KINDS)
+INPUT_IDS = "input_ids"  # manifest: those files' identities and content (prepare.identity)
 SIDES = ("train", "val")  # prepare --val-fraction writes two stores, OUT/train and OUT/val
 REQUIRED = ("format", "version", "tokenizer", "dtype", "num_documents", "num_tokens", "shards")
 SHARD_FIELDS = ("name", "num_documents", "num_tokens", "bin_bytes", "idx_bytes", "bin_xxh3",

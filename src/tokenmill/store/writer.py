@@ -144,6 +144,7 @@ class StoreWriter:
         self.skips = SkipLog()
         self._pending_skips: list[tuple[int, int, sources.Skip]] = []
         self._digests: dict[int, str] = {}
+        self.input_digests: dict[int, str] = {}  # every unit's of the store, committed or not
         self._writer: ShardWriter | None = None
         self.committed_cursor: tuple[int, int] = (0, 0)
         self.manifest: dict | None = None
@@ -264,6 +265,8 @@ class StoreWriter:
         if key != self.config.key:
             atomic_write_json(self.pdir / KEY_FILE, self.config.key)
         self.shards = [ShardInfo(**r["shard"]) for r in records[:kept]]
+        for r in records[:kept]:
+            self.input_digests.update((int(u), d) for u, d in r.get("inputs", {}).items())
         if kept:
             self.cursor = tuple(records[kept - 1]["cursor"])
             self.skips = SkipLog.from_json(records[kept - 1]["skipped"])
@@ -339,7 +342,7 @@ class StoreWriter:
         the xxh3 of its input bytes, recorded with the shards that hold its documents."""
         self._pending_skips.extend((u, o, s) for o, s in skips if o >= d0)
         if digest is not None:
-            self._digests[u] = digest
+            self._digests[u] = self.input_digests[u] = digest
 
     def add(self, u: int, d0: int, tokens: np.ndarray, lengths: np.ndarray,
             skips: Iterable[tuple[int, sources.Skip]] = (), digest: str | None = None,

@@ -28,7 +28,7 @@ import numpy as np
 
 from tokenmill import sources
 from tokenmill.errors import ConcurrentWriterError, DiskFullError
-from tokenmill.prepare.run import input_check, inputs_record, origins_of
+from tokenmill.prepare.run import input_check, inputs_finished, inputs_record, origins_of
 from tokenmill.prepare.tokenize import engine_record
 from tokenmill.store.format import MANIFEST, Origins
 from tokenmill.store.writer import StoreWriter, WriterConfig
@@ -68,7 +68,8 @@ class CacheWriter:
     def finish(self) -> None:
         """Close the last shard, write the manifest (last, atomically), release the lock."""
         t0 = time.perf_counter()
-        extra = dict(self.inputs)
+        extra = inputs_finished(self.inputs, self.plan.units, self.writer,
+                                self.plan.storage_options)
         if self.engine is not None:
             extra["tokenizer_engine"] = self.engine
         with cache_disk(self.plan):
