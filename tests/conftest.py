@@ -289,20 +289,19 @@ def assert_resumes_exactly(make, steps: int) -> None:
             assert same(take(b, steps - k), ref[k:]), f"resume at step {k} diverged"
 
 
-def assert_worker_death_is_an_error(batches, workers, *, budget: int = 100_000):
+def assert_worker_death_is_an_error(batches, workers, *, budget: int):
     """SIGKILL the worker processes ``workers`` (psutil); the iterator ``batches`` then raises a
-    RuntimeError saying a worker died — never a hang, never a quiet end — within 10 s."""
+    RuntimeError saying a worker died — never a hang, never a quiet end — at the latest once it
+    has handed out ``budget`` batches more: those made ahead before the kill (a count, not a
+    clock: a busy machine makes the same batches, only later)."""
     import signal
-    import time
 
     import pytest
     for w in workers:
         w.send_signal(signal.SIGKILL)
-    t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="died") as e:
-        for _ in range(budget):
+        for _ in range(budget + 1):
             next(batches)
-    assert time.monotonic() - t0 < 10
     return e.value
 
 

@@ -16,7 +16,7 @@ from conftest import (assert_resumes_exactly, assert_worker_death_is_an_error, s
 from tokenmill import plan as plan_mod
 from tokenmill import prepare
 from tokenmill.errors import ConfigError, StoreError
-from tokenmill.loader import Loader, StaleIterator
+from tokenmill.loader import MAX_PREFETCH, Loader, StaleIterator
 
 L = 16
 
@@ -227,7 +227,8 @@ def test_dead_worker_process_is_an_error_not_a_hang(store):
         next(it)
         workers = [c for c in psutil.Process().children() if "tokenmill.child" in c.cmdline()]
         assert len(workers) == 1
-        error = assert_worker_death_is_an_error(it, workers)
+        # what was computed ahead: at most MAX_PREFETCH batches (the ring: and two more)
+        error = assert_worker_death_is_an_error(it, workers, budget=MAX_PREFETCH + 2)
         assert "killed by SIGKILL" in str(error)  # the real exit reason
 
 
@@ -244,7 +245,7 @@ def test_nothing_left_after_close_or_gc(store):
         take(ld, 5)
         del ld
         gc.collect()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # a hang guard only (5 s: a busy machine can be slower)
     while time.monotonic() < deadline and (set(threading.enumerate()) - before_threads or
                                            _worker_children()):
         time.sleep(0.05)

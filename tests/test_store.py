@@ -220,11 +220,17 @@ import json, os, random, sys, time
 def fds():
     return len(os.listdir("/proc/self/fd"))
 
+opened = []  # files of the store this process opens (an audit hook sees every open())
+def hook(event, args):
+    if event == "open" and isinstance(args[0], str) and args[0].startswith(sys.argv[1]):
+        opened.append(os.path.basename(args[0]))
+sys.addaudithook(hook)
+
 from tokenmill.store import TokenStore
 before = fds()
 start = time.perf_counter()
 store = TokenStore(sys.argv[1])
-open_s = time.perf_counter() - start
+open_s, opened_at_open = time.perf_counter() - start, list(opened)
 after_open, peak, rng, exact = fds(), 0, random.Random(0), True
 start = time.perf_counter()
 for k in range(3000):  # windows across 3 shards, all over the store
@@ -236,7 +242,8 @@ read_s = time.perf_counter() - start
 store.check(wait=True)
 store.close()
 print(json.dumps(dict(before=before, open_s=open_s, after_open=after_open, peak=peak,
-                      after_close=fds(), read_s=read_s, exact=exact)))
+                      after_close=fds(), read_s=read_s, exact=exact,
+                      opened_at_open=opened_at_open)))
 '''
 
 
@@ -246,17 +253,24 @@ import json, os, sys, time
 def fds():
     return len(os.listdir("/proc/self/fd"))
 
+opened = []  # files of the store this process opens (an audit hook sees every open())
+def hook(event, args):
+    if event == "open" and isinstance(args[0], str) and args[0].startswith(sys.argv[1]):
+        opened.append(os.path.basename(args[0]))
+sys.addaudithook(hook)
+
 import numpy as np
 from tokenmill import Loader
 before = fds()
 start = time.perf_counter()
 loader = Loader(sys.argv[1], seq_len=64, batch_size=8, num_workers=0, seed=0)
-open_s, peak, exact = time.perf_counter() - start, 0, True
+open_s, opened_at_open, peak, exact = time.perf_counter() - start, list(opened), 0, True
 for _, batch in zip(range(200), loader):
     exact &= bool((np.diff(batch["inputs"], axis=1) % 8 == 1).all())  # token p is p % 8
     peak = max(peak, fds())
 loader.close()
-print(json.dumps(dict(before=before, open_s=open_s, peak=peak, after_close=fds(), exact=exact)))
+print(json.dumps(dict(before=before, open_s=open_s, peak=peak, after_close=fds(), exact=exact,
+                      opened_at_open=opened_at_open)))
 '''
 
 
@@ -274,8 +288,9 @@ def test_a_100000_shard_store_opens_fast_reads_with_few_descriptors_and_closes_c
         assert got.get("after_open", got["before"]) == got["before"]  # nothing held per shard
         assert got["peak"] < 64, got  # at most MAX_OPEN (32) maps, and one file being hashed
         assert got["after_close"] == got["before"], got
-        # the target is < 1 s (0.55 s measured on a 2-core VM); this bound is for a loaded CI
-        assert got["open_s"] < 5, got
+        # opening costs no work per shard beyond a stat: it opens the manifest and no shard
+        # file (0.55 s measured on a 2-core VM, not asserted: a busy machine may be slower)
+        assert got["opened_at_open"] == ["manifest.json"], got["opened_at_open"][:5]
 
 
 def open_descriptors() -> int:
