@@ -227,11 +227,11 @@ def add_import_megatron(sub) -> None:
 def add_export(sub) -> None:
     """``tokenmill export``."""
     pe = subcommand(sub, "export", run_export,
-                    "write a store as a nanoGPT train.bin or as JSONL text")
+                    "write a store as nanoGPT's train.bin (+ val.bin, meta.pkl) or as JSONL text")
     pe.add_argument("store")
     pe.add_argument("--format", required=True, choices=["nanogpt", "jsonl"],
                     help="nanogpt: flat uint16 token ids; jsonl: one {\"text\": …} per document")
-    pe.add_argument("--out", required=True, help="file to write (replaced atomically)")
+    pe.add_argument("--out", required=True, help="file to write (atomically); a split: a folder")
     pe.add_argument("--tokenizer", default=None,
                     help="jsonl: the store's tokenizer, if not at the path its manifest records")
     add_quiet(pe)
@@ -373,8 +373,8 @@ def run_export(args) -> int:
     done = export(args.store, out=args.out, format=args.format, tokenizer=args.tokenizer,
                   progress=False if args.quiet else None)
     if not args.quiet:
-        print(f"wrote {done['out']}: {done['documents']:,} documents, {done['tokens']:,} tokens, "
-              f"{done['bytes']:,} bytes", file=sys.stderr)
+        print(f"wrote {', '.join(done['files'])}: {done['documents']:,} documents, "
+              f"{done['tokens']:,} tokens, {done['bytes']:,} bytes", file=sys.stderr)
     return 0
 
 
