@@ -22,6 +22,7 @@ PACKAGE = SRC / "tokenmill"
 LAYERS: list[tuple[str, ...]] = [
     ("tokenmill.errors",),
     ("tokenmill.io", "tokenmill.procs", "tokenmill.child", "tokenmill.metrics", "tokenmill.sampler",
+     "tokenmill.textfields",
      "tokenmill.arrays",
      "tokenmill.pacing", "tokenmill.ring", "tokenmill.watch", "tokenmill.options",
      "tokenmill.segments", "tokenmill.lifetime", "tokenmill.ranks"),
