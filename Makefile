@@ -1,9 +1,12 @@
 # The two set-up commands of the README: `make demo` and `make test`. Both create .venv and
 # install what they need; every install goes through constraints.txt (torch==2.13.0, CPU).
+# `make demo` installs only what the demo runs (tokenmill and torch); `make test` every extra
+# the suite uses (frameworks, peers for bench, megatron-core, transformers, moto, ...).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.demo-installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -14,7 +17,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,fast,torch,jax,grain,ray]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+$(DEMO_STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e . torch
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/tokenmill demo
 
 test: $(STAMP)

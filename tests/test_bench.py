@@ -176,3 +176,19 @@ def test_slowdown_refuses_blocks_too_short_to_time_alone_steps():
         bench.slowdown(itertools.repeat(None), 1, blocks=0, per=5)
     r = bench.slowdown(itertools.repeat(None), 1, blocks=1, per=DROPPED + 1)
     assert r["step_ms_alone"] > 0
+
+
+def test_a_slowdown_within_the_machines_noise_is_shown_as_noise():
+    """On a busy machine bench drew "-29%" step slowdowns for peers as facts: each slowdown now
+    has the spread of the step timed alone beside it, and one within that spread says noise."""
+    from tokenmill.bench.report import slowdown_cell
+    row = {"name": "peer", "tokens_per_s": 1e6, "time_to_first_batch_s": 0.01, "peak_rss_mb": 90,
+           "peak_anon_mb": 40, "data_wait_pct": 1.0, "wait_p99_ms": 0.1,
+           "step_slowdown_pct": -29.04, "step_slowdown_noise_pct": 35.0}
+    assert slowdown_cell(row) == "-29.0% ±35.0 noise"
+    assert "-29.0% ±35.0 noise" in bench.format_table([row])
+    assert slowdown_cell({**row, "step_slowdown_pct": 41.0}) == "+41.0% ±35.0"  # beyond: a cost
+    import itertools
+    r = bench.slowdown(itertools.repeat(None), 1, blocks=3, per=6)
+    assert r["step_slowdown_noise_pct"] >= 0  # max / min of the 3 blocks' alone medians - 1
+    assert bench.slowdown(itertools.repeat(None), 1, blocks=1, per=6)["step_slowdown_noise_pct"] is None

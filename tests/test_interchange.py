@@ -5,6 +5,7 @@ import errno
 import importlib.util
 import json
 import os
+import pickle
 import struct
 import subprocess
 import sys
@@ -317,9 +318,39 @@ def test_export_nanogpt_is_the_token_stream(prepared, tmp_path):
     assert data.tolist() == [t for d in docs for t in d]
     eos = TokenStore(store).tokenizer["eos_id"]
     assert int((data == eos).sum()) >= len(docs) and all(d[-1] == eos for d in docs)
+    meta = tmp_path / "out" / "meta.pkl"
     assert info == {"format": "nanogpt", "out": str(tmp_path / "out" / "train.bin"),
-                    "documents": len(docs), "tokens": len(data), "bytes": 2 * len(data)}
-    assert os.listdir(tmp_path / "out") == ["train.bin"]
+                    "documents": len(docs), "tokens": len(data), "bytes": 2 * len(data),
+                    "files": [str(tmp_path / "out" / "train.bin"), str(meta)]}
+    assert sorted(os.listdir(tmp_path / "out")) == ["meta.pkl", "train.bin"]
+    # nanoGPT's train.py: meta = pickle.load(f); meta_vocab_size = meta['vocab_size']
+    vocab = TokenStore(store).tokenizer["vocab_size"]
+    assert pickle.loads(meta.read_bytes()) == {"vocab_size": vocab} and data.max() < vocab
+
+
+def test_cli_export_of_a_split_writes_train_val_and_meta(tmp_path):
+    """One `tokenmill export` of a --val-fraction folder gives nanoGPT's whole data_dir: train.bin
+    and val.bin (each side's tokens exactly) and meta.pkl (the vocabulary, not nanoGPT's 50,304)."""
+    texts = [f"document {i}: " + "lorem ipsum " * (i % 7) for i in range(200)]
+    write_jsonl(tmp_path / "c.jsonl", texts)
+    tm = [sys.executable, "-m", "tokenmill"]
+    r = subprocess.run(tm + ["prepare", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "s"),
+                             "--tokenizer", "bytes", "--val-fraction", "0.2", "--workers", "1"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    data = tmp_path / "data" / "mine"
+    r = subprocess.run(tm + ["export", str(tmp_path / "s"), "--format", "nanogpt", "--out", str(data)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {data / 'train.bin'}, {data / 'val.bin'}, {data / 'meta.pkl'}: 200 documents" in r.stderr
+    assert sorted(os.listdir(data)) == ["meta.pkl", "train.bin", "val.bin"]
+    for side in ("train", "val"):
+        want = [t for d in docs_of(tmp_path / "s" / side) for t in d]
+        assert 0 < len(want) and np.memmap(data / f"{side}.bin", dtype=np.uint16, mode="r").tolist() == want
+    assert pickle.loads((data / "meta.pkl").read_bytes()) == {"vocab_size": 258}
+    r = subprocess.run(tm + ["export", str(tmp_path / "s"), "--format", "nanogpt", "--out",
+                             str(tmp_path / "train.bin")], capture_output=True, text=True)
+    assert r.returncode == 2 and "--out names that folder" in r.stderr and not (tmp_path / "train.bin").exists()
 
 
 def test_export_nanogpt_int32(tmp_path, monkeypatch):
@@ -467,4 +498,4 @@ def test_export_to_a_folder_it_cannot_make_is_a_clear_error(prepared, tmp_path):
     assert (tmp_path / "afile").read_text() == "mine\n"
     info = export(prepared[0], out=tmp_path / "new" / "dir" / "x.bin", format="nanogpt",
                   progress=False)  # a missing folder is made
-    assert info["bytes"] == 2 * info["tokens"] and os.listdir(tmp_path / "new" / "dir") == ["x.bin"]
+    assert info["bytes"] == 2 * info["tokens"] and sorted(os.listdir(tmp_path / "new" / "dir")) == ["meta.pkl", "x.bin"]

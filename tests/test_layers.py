@@ -22,6 +22,7 @@ PACKAGE = SRC / "tokenmill"
 LAYERS: list[tuple[str, ...]] = [
     ("tokenmill.errors",),
     ("tokenmill.io", "tokenmill.procs", "tokenmill.child", "tokenmill.metrics", "tokenmill.sampler",
+     "tokenmill.textfields",
      "tokenmill.arrays",
      "tokenmill.pacing", "tokenmill.ring", "tokenmill.watch", "tokenmill.options",
      "tokenmill.segments", "tokenmill.lifetime", "tokenmill.ranks"),
@@ -227,3 +228,25 @@ def test_sizes_stay_small():
 ])
 def test_cycle_finder_finds_cycles(bad, want):
     assert cycles(bad) == want
+
+
+def test_the_core_imports_no_optional_dependency_at_module_level():
+    """`pip install tokenmill` is the core (pyproject's dependencies): every other third-party
+    module is imported inside the function that needs it, so `import tokenmill` and the CLI
+    work without the extras (issue 26: a slim install)."""
+    import tomllib
+    core = {"numpy", "xxhash", "tokenizers", "tiktoken", "fsspec", "tqdm"}
+    deps = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert {d.split(">")[0].split("=")[0].split("[")[0] for d in deps} == core
+    import sys as _sys
+    stdlib = set(_sys.stdlib_module_names)
+    top = []
+    for path in PACKAGE.rglob("*.py"):
+        if "integrations" in path.parts or path.name in ("torch.py", "jax.py", "grain.py"):
+            continue  # frameworks: imported only when their module is
+        for node in ast.parse(path.read_text()).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            top += [(path.name, n.split(".")[0]) for n in names]
+    extra = {(f, n) for f, n in top if n not in stdlib and n not in core | {"tokenmill"}}
+    assert not extra, extra

@@ -179,7 +179,7 @@ def test_verdict_bands_and_which_side_each_boundary_falls_on():
 @pytest.mark.parametrize("wait,verdict", [
     (0.5, "compute-bound (excellent)"), (1.0, "compute-bound"), (1.5, "compute-bound"),
     (5.0, "compute-bound"), (5.5, "data-bound (mild)"), (20.0, "data-bound (mild)"),
-    (20.5, "data-bound (poor)"), (100.0, "data-bound (poor)")])
+    (20.5, "data-bound (poor)"), (99.5, "data-bound (poor)")])  # 100%: no step (below)
 def test_meter_verdict_at_the_boundaries(wait, verdict):
     # wall = (100 − wait) step + wait + 0 step = 100 s, so data wait % == wait exactly
     s = metered([3.0, wait], [100.0 - wait, 0.0]).summary()
@@ -356,3 +356,13 @@ def test_bad_settings_are_refused_with_the_value():
                      ({"tokens_per_batch": -1}, "tokens_per_batch"), ({"cost": 5.0}, "cost")]:
         with pytest.raises(ConfigError, match=name):
             Meter([], **kw)
+
+
+def test_a_loop_that_does_no_work_gets_no_verdict_on_overlap():
+    """The README's quick start metered a loop whose body is `pass`: it said "data-bound (poor)".
+    With no step there is nothing to overlap data with: the verdict says so, not "poor"."""
+    s = metered([0.5, 1e-4, 1e-4, 1e-4], [2e-6, 1e-6, 1e-6, 1e-6]).summary()
+    assert s["data_wait_pct"] > 90
+    assert s["verdict"] == ("no step to compare with (median step 1.0 µs): the data wait of a "
+                            "loop that does no work; meter the training step")
+    assert metered([0.5, 1e-4, 1e-4], [1e-2, 1e-2, 1e-2]).summary()["verdict"] == "compute-bound (excellent)"

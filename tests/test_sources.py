@@ -472,7 +472,7 @@ def test_jsonl_units_concatenate_to_whole_file(tmp_path, monkeypatch, records, e
 BAD_JSONL = [("malformed_json", b'{"text": "x" "y"}', "Expecting ',' delimiter: column 14"),
              ("malformed_json", b"[1, 2]", "expected a JSON object, got an array"),
              ("malformed_json", b'"just text"', "expected a JSON object, got a string"),
-             ("missing_field", b'{"body": "x", "id": 1}', "no 'text' key; keys are 'body', 'id'"),
+             ("missing_field", b'{"body": "x", "id": 1}', "no 'text' key; keys are 'body', 'id'; its text may be under --text-key body"),
              ("non_string_field", b'{"text": null}', "'text' is null"),
              ("non_string_field", b'{"text": 5}', "'text' is a number"),
              ("non_string_field", b'{"text": ["a"]}', "'text' is an array"),

@@ -109,9 +109,9 @@ def test_json_array_errors_name_the_element(tmp_path):
     path.write_text(json.dumps([{"text": "a"}, {"text": "b"}, {"body": "c"}, {"text": 7},
                                 {"text": "e"}]))
     err = refused(path, cwd=tmp_path)
-    assert f"{path}, element 3: missing field (no 'text' key; keys are 'body')" in err, err
+    assert f"{path}, element 3: missing field (no 'text' key; keys are 'body'; its text may be under --text-key body)" in err, err
     got = list(read_documents(str(path), SourceConfig(on_error="skip")))
-    assert got == ["a", "b", Skip(str(path), "element 3", "missing_field", "no 'text' key; keys are 'body'"),
+    assert got == ["a", "b", Skip(str(path), "element 3", "missing_field", "no 'text' key; keys are 'body'; its text may be under --text-key body"),
                    Skip(str(path), "element 4", "non_string_field", "'text' is a number"), "e"]
     # a malformed element is skipped, counted, and the elements after it are read
     path.write_text('[{"text": "a"}, {"text": },\n {"text": "c"}, {"text": "d" "x"}, tru, {"text": "f"}]')

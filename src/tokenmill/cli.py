@@ -145,6 +145,7 @@ def _int_or_none(value: str) -> int | None:
 
 def add_prepare(sub) -> None:
     """``tokenmill prepare``."""
+    from tokenmill.textfields import add_arguments as add_text_arguments
     pp = subcommand(sub, "prepare", run_prepare, "tokenize text files into a token store")
     pp.add_argument("inputs", nargs="+", metavar="INPUT",
                     help="files, directories, globs or URLs (.txt .jsonl[.gz|.zst] "
@@ -159,8 +160,7 @@ def add_prepare(sub) -> None:
                     help="worker processes (default auto: in this process when the tokenizer engine "
                          "uses every core itself (fastokens), else one per core)")
     pp.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default 2^26)")
-    pp.add_argument("--text-key", default="text",
-                    help="JSON field / CSV, TSV or parquet column (default text)")
+    add_text_arguments(pp)  # --text-key, --text-ext
     pp.add_argument("--split", default=None, metavar="NAME", help="the split to take from a "
                     "folder holding several (a DatasetDict, a Hub dataset): required there")
     pp.add_argument("--txt-mode", choices=["file", "lines", "paragraphs"], default="file",
@@ -227,11 +227,11 @@ def add_import_megatron(sub) -> None:
 def add_export(sub) -> None:
     """``tokenmill export``."""
     pe = subcommand(sub, "export", run_export,
-                    "write a store as a nanoGPT train.bin or as JSONL text")
+                    "write a store as nanoGPT's train.bin (+ val.bin, meta.pkl) or as JSONL text")
     pe.add_argument("store")
     pe.add_argument("--format", required=True, choices=["nanogpt", "jsonl"],
                     help="nanogpt: flat uint16 token ids; jsonl: one {\"text\": …} per document")
-    pe.add_argument("--out", required=True, help="file to write (replaced atomically)")
+    pe.add_argument("--out", required=True, help="file to write (atomically); a split: a folder")
     pe.add_argument("--tokenizer", default=None,
                     help="jsonl: the store's tokenizer, if not at the path its manifest records")
     add_quiet(pe)
@@ -312,7 +312,7 @@ def run_prepare(args) -> int:
     options = dict(text_key=args.text_key, txt_mode=args.txt_mode, on_error=args.on_error,
                    add_eos=not args.no_eos, add_bos=args.bos, eos=args.eos_token,
                    tokenizer_engine="hf" if args.no_fast_tokenizer else args.tokenizer_engine,
-                   split=args.split)
+                   split=args.split, text_ext=args.text_ext)
     if args.shard_tokens is not None:
         options["shard_tokens"] = args.shard_tokens
     if args.transform is not None:
@@ -373,8 +373,8 @@ def run_export(args) -> int:
     done = export(args.store, out=args.out, format=args.format, tokenizer=args.tokenizer,
                   progress=False if args.quiet else None)
     if not args.quiet:
-        print(f"wrote {done['out']}: {done['documents']:,} documents, {done['tokens']:,} tokens, "
-              f"{done['bytes']:,} bytes", file=sys.stderr)
+        print(f"wrote {', '.join(done['files'])}: {done['documents']:,} documents, "
+              f"{done['tokens']:,} tokens, {done['bytes']:,} bytes", file=sys.stderr)
     return 0
 
 

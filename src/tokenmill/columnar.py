@@ -17,6 +17,7 @@ import contextlib
 from collections.abc import Iterator
 from functools import partial
 
+from tokenmill.errors import require
 from tokenmill.io import is_url, open_binary
 from tokenmill.records import Doc, Record, Report, Skip, SourceConfig
 
@@ -62,7 +63,7 @@ def group(sizes: list[int], unit_bytes: int) -> list[tuple[int, int]]:
 
 @contextlib.contextmanager
 def _parquet(path: str, storage_options):
-    import pyarrow.parquet as pq
+    pq = require("pyarrow.parquet", "parquet", f"{path}: reading Parquet")
     with (open_binary(path, storage_options) if is_url(path) else contextlib.nullcontext(path)) as src:
         pf = pq.ParquetFile(src)
         try:
@@ -74,7 +75,7 @@ def _parquet(path: str, storage_options):
 @contextlib.contextmanager
 def _arrow_stream(path: str, storage_options):
     """A RecordBatchStreamReader over a memory-mapped local file, or an fsspec file."""
-    import pyarrow as pa
+    pa = require("pyarrow", "parquet", f"{path}: reading Arrow")
     source = open_binary(path, storage_options) if is_url(path) else pa.memory_map(path, "r")
     with source:
         yield pa.ipc.open_stream(source)

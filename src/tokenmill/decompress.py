@@ -21,6 +21,7 @@ import gzip
 import io
 from collections.abc import Iterator
 
+from tokenmill.errors import require
 from tokenmill.io import open_binary
 from tokenmill.records import Unit, io_errors
 
@@ -56,7 +57,8 @@ class _ZstdStream(io.RawIOBase):
     """Concatenated zstd frames, decompressed one block at a time; EOFError if cut in a frame."""
 
     def __init__(self, source):
-        import zstandard  # max_window_size: accept files made with zstd --long=31
+        zstandard = require("zstandard", "zstd", "reading .zst files")  # max_window_size: accept
+        # files made with zstd --long=31
         self._dctx = zstandard.ZstdDecompressor(max_window_size=1 << 31)
         self._pieces, self._obj, self._out = _zstd_pieces(source), None, memoryview(b"")
 

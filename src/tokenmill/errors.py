@@ -146,3 +146,16 @@ def check_int(name: str, value: object, *, minimum: int, maximum: int | None = N
     also = "".join(f" or {x}" for x in (or_else, "None" if optional else None) if x)
     kind = "" if is_int(value) else f" of type {type(value).__name__}"
     raise ConfigError(f"{name} must be an int {bound}{also} (got {name}={reprlib.repr(value)}{kind})")
+
+
+def require(module: str, extra: str, what: str):
+    """``module`` imported, or a ConfigError: ``what`` needs it, and the extra that installs it.
+
+    require("json", "x", "y").dumps(1) == "1"
+    """
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"{what} needs {module.split('.')[0]}, not installed: pip install "
+                          f"'tokenmill[{extra}]'") from None

@@ -11,7 +11,7 @@ import numpy as np
 from tokenmill.errors import TokenmillError
 from tokenmill.io import atomic_write_bytes, is_url, redact
 from tokenmill.packplan import PackedPlan
-from tokenmill.prepare.split import split_line, split_of, split_paths
+from tokenmill.prepare.split import split_line, split_of, split_sides
 from tokenmill.store import TokenStore
 
 PERCENTILES = (0, 10, 50, 90, 99, 100)
@@ -56,9 +56,7 @@ def display_path(path: str | os.PathLike) -> str:
 def describe(path: str | os.PathLike) -> dict:
     """A JSON-able description of the store at ``path``; of a split's folder (``--val-fraction``:
     ``path/train`` and ``path/val``), ``{"path", "sides": {"train": …, "val": …}}``."""
-    paths = split_paths(path)
-    if not is_url(path) and not os.path.exists(os.path.join(path, "manifest.json")) and all(
-            os.path.exists(os.path.join(p, "manifest.json")) for p in paths.values()):
+    if paths := split_sides(path):
         return {"path": display_path(path), "sides": {k: describe(p) for k, p in paths.items()}}
     with TokenStore(path) as store:
         m = store.manifest

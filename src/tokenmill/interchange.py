@@ -22,7 +22,9 @@ chunks (while its checksum is computed, in the same pass), and the first bad id 
 its shard, token and document.
 
 export(store, out="train.bin", format="nanogpt"): the store's tokens in store order as one flat
-little-endian uint16 file, what nanoGPT's ``np.memmap(path, dtype=np.uint16)`` reads. Documents
+little-endian uint16 file, what nanoGPT's ``np.memmap(path, dtype=np.uint16)`` reads, and
+``meta.pkl`` beside it (pickled ``{"vocab_size": N}``, what its train.py reads); a split's folder
+gives ``out/train.bin`` and ``out/val.bin``. Documents
 end with EOS in a prepared store, so they are simply concatenated. An int32 store is exported only
 when its vocabulary fits uint16 (vocab_size <= 65,536; every id checked), otherwise refused.
 
@@ -42,6 +44,7 @@ import contextlib
 import errno
 import json
 import os
+import pickle
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -51,6 +54,7 @@ import xxhash
 
 from tokenmill.errors import ConfigError, InputError, StoreError, TokenizerError
 from tokenmill.io import atomic_output, is_url, redact, xxh3_file
+from tokenmill.prepare.split import split_sides
 from tokenmill.store import (IDX_HEADER, IDX_MAGIC, IDX_VERSION, MANIFEST, DTYPE_CODES, ShardInfo,
                              TokenStore, atomic_write_bytes, atomic_write_json, build_manifest,
                              idx_bytes, read_idx, shard_name)
@@ -316,25 +320,43 @@ class _Null:
 
 def export(store: str | os.PathLike, *, out: str | os.PathLike, format: str,
            tokenizer: str | None = None, progress: bool | None = None) -> dict:
-    """Write a store as a nanoGPT ``train.bin`` (format="nanogpt") or as text (format="jsonl").
+    """Write a store as nanoGPT's ``train.bin`` + ``meta.pkl`` (format="nanogpt") or as text
+    (format="jsonl").
 
-    Returns {"format", "out", "documents", "tokens", "bytes"}. ``tokenizer`` (jsonl only)
-    overrides the manifest's spec; either must match the store's tokenizer identity.
+    Returns {"format", "out", "documents", "tokens", "bytes", "files"}. ``tokenizer`` (jsonl only)
+    overrides the manifest's spec; either must match the store's tokenizer identity. nanogpt:
+    ``meta.pkl`` goes beside ``out``; a split's folder (``--val-fraction``) writes ``train.bin``
+    and ``val.bin`` into the folder ``out``.
     """
     if format not in EXPORT_FORMATS:
         raise ConfigError(f"format must be one of {EXPORT_FORMATS} (got format={format!r})")
     if format == "nanogpt" and tokenizer is not None:
         raise ConfigError("format='nanogpt' writes token ids; tokenizer= is only for 'jsonl'")
-    out = Path(out)
-    if out.is_dir():
+    out, sides = Path(out), split_sides(store) if format == "nanogpt" else None
+    if sides and (out.suffix == ".bin" or out.is_file()):
+        raise ConfigError(f"{store}: holds a split's two stores, exported as train.bin and "
+                          "val.bin into one folder; --out names that folder (e.g. data/mydata)")
+    if not sides and out.is_dir():
         raise ConfigError(f"{out}: is a directory; --out names the file to write")
+    targets = {out / f"{k}.bin": p for k, p in sides.items()} if sides else {out: store}
+    done = [_export_file(p, f, format, tokenizer, progress) for f, p in targets.items()]
+    files = [str(f) for f in targets]
+    if format == "nanogpt":  # nanoGPT's train.py sizes its embedding from meta["vocab_size"]
+        files.append(str((out if sides else out.parent) / "meta.pkl"))
+        atomic_write_bytes(files[-1], pickle.dumps({"vocab_size": done[0]["vocab_size"]}))
+    total = {k: sum(d[k] for d in done) for k in ("documents", "tokens", "bytes")}
+    return {"format": format, "out": str(out), **total, "files": files}
+
+
+def _export_file(store, out: Path, format: str, tokenizer, progress) -> dict:
+    """One store into one file; its counts and the store's vocab_size."""
     # every shard's checksum is checked here, as it is read: the background check is not needed
     with TokenStore(store, verify="off") as s:
         writer = _write_nanogpt if format == "nanogpt" else _write_jsonl
         with output_errors(out), atomic_output(out) as f:
             writer(s, f, tokenizer, progress)
-        return {"format": format, "out": str(out), "documents": len(s), "tokens": s.num_tokens,
-                "bytes": out.stat().st_size}
+        return {"documents": len(s), "tokens": s.num_tokens, "bytes": out.stat().st_size,
+                "vocab_size": s.tokenizer["vocab_size"]}
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from functools import partial
 
 from tokenmill.records import Doc, Record, Skip, SourceConfig
+from tokenmill.textfields import joined, kind, missing_hint
 
 __all__ = ["NOT_JSON_LINES", "json_reader", "jsonl_docs", "jsonl_records", "kind", "one_value"]
 
@@ -66,7 +67,11 @@ def _value(line: bytes):
 
 
 def jsonl_docs(blocks, key: str, report, base, first: int) -> Iterator[Doc | Skip]:
-    """``first``: lines before the unit's first record when known (else 0: unit-relative)."""
+    """``first``: lines before the unit's first record when known (else 0: unit-relative);
+    ``key``: a field, or several joined (``textfields.joined``)."""
+    if not isinstance(key, str):
+        yield from _joined_docs(blocks, key, report, base, first)
+        return
     new, done = tuple.__new__, first  # done: lines before the block
     for data in blocks:
         raws = data.split(b"\n")
@@ -95,6 +100,17 @@ def jsonl_docs(blocks, key: str, report, base, first: int) -> Iterator[Doc | Ski
                     ("empty_document", f"{key!r} is empty") if text == "" else
                     ("non_string_field", f"{key!r} is {kind(text)}")))
         done += len(raws)
+
+
+def _joined_docs(blocks, keys: tuple[str, ...], report, base, first: int) -> Iterator[Doc | Skip]:
+    """jsonl_docs for several keys: each record's fields joined; records without, reported."""
+    for item in jsonl_records(blocks, keys[0], report, base, first):
+        if isinstance(item, Skip):
+            yield item
+        elif isinstance(text := joined(item.fields, keys), str):
+            yield Doc(text, item.line)
+        else:
+            yield report(item.place(), *text)
 
 
 def _stdlib_loads_bytes(raw: bytes):
@@ -163,13 +179,5 @@ def _json_problem(line: str | None, utf8_error: str | None, key: str) -> tuple[s
         return "malformed_json", str(e)
     if not isinstance(obj, dict):
         return "malformed_json", f"expected a JSON object, got {kind(obj)}"
-    return "missing_field", f"no {key!r} key; keys are {', '.join(map(repr, list(obj)[:5])) or 'none'}"
+    return "missing_field", f"no {key!r} key; {missing_hint(obj)}"
 
-
-_KINDS = {type(None): "null", bool: "a boolean", int: "a number", float: "a number",
-          str: "a string", list: "an array", dict: "an object"}
-
-
-def kind(value) -> str:
-    """What a decoded JSON value is, for messages: kind(None) == "null", kind([]) == "an array"."""
-    return _KINDS.get(type(value), type(value).__name__)

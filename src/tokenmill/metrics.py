@@ -38,6 +38,9 @@ EXCELLENT_BELOW_PCT = 1.0
 DATA_BOUND_ABOVE_PCT = 5.0
 POOR_ABOVE_PCT = 20.0
 
+# A median step under 10 µs is a loop that does no work (a `pass` body takes ~1 µs; a model's
+# step, even a tiny one on CPU, takes 100s of µs): a wait % of it says nothing about overlap.
+NO_STEP_S = 10e-6
 DEFAULT_WINDOW = 10_000  # waits kept for p50/p99: 80 kB, a few minutes of fast steps
 
 
@@ -280,7 +283,10 @@ class Meter:
             flops = self.cost.flops_per_token * tokens_per_s
             mfu = flops / self.cost.peak_flops if self.cost.peak_flops else None
         verdict = verdict_for(pct) if wall > 0 else "warming up"
-        if verdict.startswith("data-bound") and stages and sum(stages.values()) > 0:
+        if wall > 0 and self._done_steps and step_p50 < NO_STEP_S:
+            verdict = (f"no step to compare with (median step {step_p50 * 1e6:.1f} µs): the data "
+                       "wait of a loop that does no work; meter the training step")
+        elif verdict.startswith("data-bound") and stages and sum(stages.values()) > 0:
             verdict += ": " + max(stages, key=stages.__getitem__)
         detail = (f"waited {_secs(self._wait_s)} of {_secs(wall)} wall ({pct:.2f}%); median wait "
                   f"{_secs(p50)} vs median step {_secs(step_p50)}")

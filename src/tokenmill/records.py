@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 
 from tokenmill.errors import ConfigError, InputError, TokenmillError, check_int
 from tokenmill.io import FileId, backend_errors, file_id, filesystem, is_url
+from tokenmill.textfields import text_extensions, text_format, text_keys
 
 REASONS = ("malformed_json", "missing_field", "non_string_field", "invalid_utf8", "empty_document",
            "empty_file", "no_match", "unreadable", "binary_file", "transform_error",
@@ -89,17 +90,18 @@ class Doc(NamedTuple):
 class SourceConfig:
     """How to read documents; checked on construction."""
 
-    text_key: str = "text"
+    text_key: str | tuple[str, ...] = "text"  # several: JSON fields joined (textfields.joined)
     txt_mode: str = "file"
     on_error: str = "raise"
     unit_bytes: int = 16 << 20
     storage_options: Mapping[str, Any] | None = None
     records: bool = False  # yield whole records (``Record``), not text_key: for a transform
     split: str | None = None  # of a folder holding several splits (tokenmill.splits)
+    text_ext: tuple[str, ...] = ()  # extensions read as .txt ("" = none; textfields)
 
     def __post_init__(self):
-        if not isinstance(self.text_key, str) or not self.text_key:
-            raise ConfigError(f"text_key must be a non-empty string (got text_key={self.text_key!r})")
+        object.__setattr__(self, "text_key", text_keys(self.text_key))
+        object.__setattr__(self, "text_ext", text_extensions(self.text_ext))
         if self.txt_mode not in TXT_MODES:
             raise ConfigError(f"txt_mode must be one of {TXT_MODES} (got txt_mode={self.txt_mode!r})")
         check_policy(self.on_error)
@@ -125,6 +127,8 @@ class Unit:
     start: int
     stop: int
     line: int | None = None
+    # its format as planned (text_ext makes a .md "txt"); None: from the name; derived, not compared
+    fmt: str | None = field(default=None, compare=False)
     # the file's identity when planned (None: unchecked); not part of what the unit is
     ident: FileId | RemoteId | None = field(default=None, compare=False)
 
@@ -144,7 +148,7 @@ def unit_lines_relative(unit: Unit) -> bool:
     unit_lines_relative(Unit("a.jsonl", 5, 10)) is True
     """
     return (unit.start > 0 and unit.line is None
-            and format_or_none(unit.path) in ("jsonl", "json", "txt", *COMPRESSED))
+            and unit_format(unit) in ("jsonl", "json", "txt", *COMPRESSED))
 
 
 @dataclass(frozen=True)
@@ -180,13 +184,13 @@ def web_path(path: str) -> str:
     return path.split("#", 1)[0].split("?", 1)[0]
 
 
-def format_or_none(path: str) -> str | None:
+def format_or_none(path: str, text_ext: tuple[str, ...] = ()) -> str | None:
     """The format of a file from its name, None if unsupported: format_or_none("a.TXT") == "txt";
     an http(s) URL's query is not part of its name: format_or_none("http://h/a.txt?k=v") == "txt";
     a compressed .json is JSON Lines: format_or_none("c4-train.00000-of-01024.json.gz") == "jsonl.gz"."""
     name = web_path(path).lower()
     fmt = next((ext[1:] for ext in EXTENSIONS if name.endswith(ext)), None)
-    return ALIASES.get(fmt, fmt)
+    return ALIASES.get(fmt, fmt) or text_format(name, text_ext)
 
 
 def kind_of_name(path: str) -> str | None:
@@ -200,13 +204,20 @@ def kind_of_name(path: str) -> str | None:
     return None if fmt in (None, "json") else "row" if fmt in ROW_FORMATS else "line"
 
 
-def format_of(path: str) -> str:
-    """The format of a file, from its name: format_of("a/b.JSONL.zst") == "jsonl.zst"."""
-    fmt = format_or_none(path)
+def format_of(path: str, text_ext: tuple[str, ...] = ()) -> str:
+    """The format of a file, from its name: format_of("a/b.JSONL.zst") == "jsonl.zst"; an
+    extension of ``text_ext`` is "txt"."""
+    fmt = format_or_none(path, text_ext)
     if fmt is None:
         raise InputError(f"{path}: unsupported file type; supported: {', '.join(EXTENSIONS)}, "
-                         "or a Hugging Face dataset directory", path=path, where="file")
+                         "or a Hugging Face dataset directory; --text-ext EXT reads other "
+                         "extensions as text", path=path, where="file")
     return fmt
+
+
+def unit_format(unit: Unit) -> str:
+    """The format of a unit's file: planned (``Unit.fmt``) or from its name."""
+    return unit.fmt or format_of(unit.path)
 
 
 def check_policy(on_error: str) -> None:

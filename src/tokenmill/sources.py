@@ -57,7 +57,7 @@ from tokenmill.io import file_size, filesystem, is_url, read_bytes, special_kind
 from tokenmill.records import (COMPRESSED, EXTENSIONS, FORMATS, LONG_DOCUMENT, REASONS, Doc,
                                LineCount, SameInput, Skip, SourceConfig, Unit, check_policy,
                                describe, format_of, format_or_none, io_errors, planned_id,
-                               problem, web_path)
+                               problem, unit_format, web_path)
 
 __all__ = ["DATASET_STATE", "Doc", "FORMATS", "Ignored", "Listing", "REASONS", "Skip", "SourceConfig",
            "Unit", "dataset_files", "format_of", "list_files", "list_inputs", "needs_payload",
@@ -132,17 +132,18 @@ class Listing(NamedTuple):
 
 
 def list_inputs(inputs: str | os.PathLike | Sequence[str | os.PathLike], *, on_error: str = "raise",
-                storage_options: Mapping[str, Any] | None = None, split: str | None = None) -> Listing:
-    """Expand files, directories (recursively), globs and URLs into a Listing; a directory
-    holding several splits gives those of ``split`` (required then, see tokenmill.splits)."""
+                storage_options: Mapping[str, Any] | None = None, split: str | None = None,
+                text_ext: Sequence[str] = ()) -> Listing:
+    """Expand files, directories (recursively), globs and URLs into a Listing; a directory holding
+    several splits gives those of ``split`` (tokenmill.splits); ``text_ext``: see textfields."""
     check_policy(on_error)
-    SourceConfig(split=split)  # checks it
+    text_ext = SourceConfig(split=split, text_ext=text_ext).text_ext  # checks them
     patterns = [os.fspath(inputs)] if isinstance(inputs, (str, os.PathLike)) else list(map(os.fspath, inputs))
     files, skips, passed = set(), [], []
     for pattern in patterns:
         before = len(passed)
-        found = (_expand_url(pattern, storage_options, passed) if is_url(pattern)
-                 else _expand_local(pattern, passed))
+        found = (_expand_url(pattern, storage_options, passed, text_ext) if is_url(pattern)
+                 else _expand_local(pattern, passed, text_ext))
         found = _of_split(pattern, found, split, storage_options)
         if not found:
             here = Ignored.of(passed[before:])
@@ -157,11 +158,10 @@ def list_inputs(inputs: str | os.PathLike | Sequence[str | os.PathLike], *, on_e
     return Listing(sorted(files), skips, ignored)
 
 
-def list_files(inputs: str | os.PathLike | Sequence[str | os.PathLike], *, on_error: str = "raise",
-               storage_options: Mapping[str, Any] | None = None,
-               split: str | None = None) -> tuple[list[str], list[Skip]]:
-    """(files, skips) of list_inputs: what to read, without the passed-over files."""
-    listing = list_inputs(inputs, on_error=on_error, storage_options=storage_options, split=split)
+def list_files(inputs: str | os.PathLike | Sequence[str | os.PathLike],
+               **options: Any) -> tuple[list[str], list[Skip]]:
+    """(files, skips) of ``list_inputs(inputs, **options)``, without the passed-over files."""
+    listing = list_inputs(inputs, **options)
     return listing.files, listing.skips
 
 
@@ -172,7 +172,8 @@ def plan_units(files: Sequence[str], config: SourceConfig) -> list[Unit]:
     units = []
     for path in files:
         ident = planned_id(path, config.storage_options)
-        units += [replace(u, ident=ident) for u in _plan_file(path, format_of(path), config)]
+        fmt = format_of(path, config.text_ext)  # Unit.fmt: readers need not know text_ext
+        units += [replace(u, ident=ident, fmt=fmt) for u in _plan_file(path, fmt, config)]
     return units
 
 
@@ -189,7 +190,7 @@ def unit_payloads(units: Sequence[Unit], first: int, config: SourceConfig) -> It
     then meets the error and reports it."""
     with StreamPayloads(config.storage_options) as payloads:
         for unit in units[first:]:
-            yield payloads.read(unit, format_of(unit.path)) if needs_payload(unit) else None
+            yield payloads.read(unit, unit_format(unit)) if needs_payload(unit) else None
 
 
 def read_unit(unit: Unit, config: SourceConfig, payload: bytes | None = None,
@@ -201,7 +202,7 @@ def read_unit(unit: Unit, config: SourceConfig, payload: bytes | None = None,
     if payload is not None and not needs_payload(unit):
         raise TypeError(f"{unit}: a payload is only for a compressed stream's unit")
     report = partial(problem, unit.path, config.on_error)
-    fmt = format_of(unit.path)
+    fmt = unit_format(unit)
     with SameInput(unit, config.storage_options):  # the file planned, or an error naming it
         yield from _unit_docs(unit, fmt, config, report, payload, count)
 
@@ -250,7 +251,7 @@ def read_documents(inputs: str | os.PathLike | Sequence[str | os.PathLike],
     """Every document of the inputs, in order: list_files, plan_units and read_unit chained."""
     config = config or SourceConfig()
     files, skips = list_files(inputs, on_error=config.on_error, storage_options=config.storage_options,
-                              split=config.split)
+                              split=config.split, text_ext=config.text_ext)
     yield from skips
     units = plan_units(files, config)
     for unit, payload in zip(units, unit_payloads(units, 0, config)):
@@ -308,10 +309,10 @@ def _warn_if_long(path: str, config: SourceConfig) -> None:
 
 # ---- listing ---------------------------------------------------------------------------------
 
-def _walkable(path: str) -> bool:
-    """A file a directory walk takes: a supported type, loose .arrow files and the metadata
-    files of datasets (dataset_info.json, …) excepted."""
-    return format_or_none(path) not in (None, "arrow") and not _metadata(path)
+def _walkable(path: str, text_ext: Sequence[str] = ()) -> bool:
+    """A file a directory walk takes: a supported type (or of ``text_ext``), loose .arrow files
+    and the metadata files of datasets (dataset_info.json, …) excepted."""
+    return format_or_none(path, text_ext) not in (None, "arrow") and not _metadata(path)
 
 
 def _metadata(path: str) -> bool:
@@ -362,31 +363,31 @@ def _read_local(path: str) -> bytes:
         return f.read()
 
 
-def _taken(paths: list[str], arrow_ok: bool, passed: list[str]) -> list[str]:
+def _taken(paths: list[str], arrow_ok: bool, passed: list[str], text_ext=()) -> list[str]:
     """The paths a walk or glob takes; the others are added to ``passed``."""
-    keep = [p for p in paths if _walkable(p) or (arrow_ok and format_or_none(p) == "arrow")]
-    passed += [p for p in paths if not (_walkable(p) or _metadata(p)
+    keep = [p for p in paths if _walkable(p, text_ext) or (arrow_ok and format_or_none(p) == "arrow")]
+    passed += [p for p in paths if not (_walkable(p, text_ext) or _metadata(p)
                                         or (arrow_ok and format_or_none(p) == "arrow"))]
     return keep
 
 
-def _expand_local(pattern: str, passed: list[str]) -> list[str]:
+def _expand_local(pattern: str, passed: list[str], text_ext=()) -> list[str]:
     """Files a local path or glob stands for; a named file of unknown type is an error."""
     if not _has_magic(pattern):
         if os.path.isdir(pattern):
-            return _walk(pattern, passed)
+            return _walk(pattern, passed, text_ext)
         if not os.path.exists(pattern):
             return []
-        format_of(pattern)  # raises for an unsupported type
+        format_of(pattern, text_ext)  # raises for an unsupported type
         _refuse_special(pattern)
         return [os.path.normpath(pattern)]
     matches = globlib.glob(pattern, recursive=True)
-    found = [f for m in matches if os.path.isdir(m) for f in _walk(m, passed)]
+    found = [f for m in matches if os.path.isdir(m) for f in _walk(m, passed, text_ext)]
     files = [os.path.normpath(m) for m in matches if not os.path.isdir(m)]
-    return found + _regular(_taken(files, pattern.lower().endswith(".arrow"), passed), passed)
+    return found + _regular(_taken(files, pattern.lower().endswith(".arrow"), passed, text_ext), passed)
 
 
-def _walk(root: str, passed: list[str]) -> list[str]:
+def _walk(root: str, passed: list[str], text_ext=()) -> list[str]:
     found = []
     for d, dirs, names in os.walk(root):
         if (data := dataset_files(d)) is not None:
@@ -397,7 +398,7 @@ def _walk(root: str, passed: list[str]) -> list[str]:
             passed += [os.path.join(d, n) for n in names]  # tokens, not text (its manifest is
             dirs.clear()  # no .json input: reading it made an identical rerun "other settings")
             continue
-        found += _taken([os.path.join(d, n) for n in names], False, passed)
+        found += _taken([os.path.join(d, n) for n in names], False, passed, text_ext)
     return _regular([os.path.normpath(f) for f in found], passed)
 
 
@@ -445,7 +446,7 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
-def _expand_url(url: str, storage_options, passed: list[str]) -> list[str]:
+def _expand_url(url: str, storage_options, passed: list[str], text_ext=()) -> list[str]:
     """Files an fsspec URL (file, directory or glob) stands for, as URLs; an http(s) URL with a
     query (a signed URL) is one file: its '?' is not a glob character."""
     try:
@@ -460,16 +461,16 @@ def _expand_url(url: str, storage_options, passed: list[str]) -> list[str]:
                     raise
                 return []
             if infos[root]["type"] != "directory":
-                format_of(url)  # raises for an unsupported type
+                format_of(url, text_ext)  # raises for an unsupported type
                 if infos[root]["type"] == "other":  # fsspec's local files: a FIFO, a device
                     _refuse_special(url, "a special file (a FIFO, a socket or a device)")
         arrow_ok = _has_magic(web_path(root)) and web_path(root).lower().endswith(".arrow")
         found, skipped = [], []
         for path, info in infos.items():
             if info["type"] == "directory":
-                found += _walk_fs(fs, path, skipped)
+                found += _walk_fs(fs, path, skipped, text_ext)
             else:
-                found += _taken([path], arrow_ok, skipped)
+                found += _taken([path], arrow_ok, skipped, text_ext)
         passed += [fs.unstrip_protocol(p) for p in skipped]
         return [fs.unstrip_protocol(p) for p in found]
     except ConfigError:
@@ -484,7 +485,7 @@ def _expand_url(url: str, storage_options, passed: list[str]) -> list[str]:
                          reason="unreadable") from e
 
 
-def _walk_fs(fs, root: str, passed: list[str]) -> list[str]:
+def _walk_fs(fs, root: str, passed: list[str], text_ext=()) -> list[str]:
     """_walk on an fsspec filesystem: dataset folders give their data files, nothing else."""
     infos = fs.find(root, detail=True)
     files = [p for p, info in infos.items() if info.get("type") != "other"]
@@ -495,5 +496,5 @@ def _walk_fs(fs, root: str, passed: list[str]) -> list[str]:
         if name == DATASET_STATE and (data := dataset_files(folder, fs.cat_file)) is not None:
             datasets[folder + "/"] = data
     inside = tuple(datasets)
-    return _taken([p for p in files if not p.startswith(inside)], False, passed) + \
+    return _taken([p for p in files if not p.startswith(inside)], False, passed, text_ext) + \
         [f for data in datasets.values() for f in data]

@@ -48,6 +48,7 @@ from tokenmill import records
 from tokenmill.errors import InputError
 from tokenmill.io import open_binary
 from tokenmill.jsonl import NOT_JSON_LINES, kind, one_value
+from tokenmill.textfields import joined
 from tokenmill.readers import plan_ranges
 from tokenmill.records import Doc, Record, Report, Skip, SourceConfig, Unit, not_text
 
@@ -89,7 +90,7 @@ def origin_kind(unit: Unit, storage_options=None) -> str | None:
     """What the ``Doc.line`` of a unit's documents counts, as its reader decides: "row", "line",
     or "element" (a .json array); None for an unsupported name. Raises what reading the head of a
     .json raises."""
-    kind = records.kind_of_name(unit.path)
+    kind = "line" if unit.fmt == "txt" else records.kind_of_name(unit.path)
     if kind is None and records.format_or_none(unit.path) == "json":
         return "element" if json_array_unit(unit, storage_options) else "line"
     return kind
@@ -301,15 +302,12 @@ def _element_doc(value, n: int, key: str, report: Report, check: bool) -> Doc | 
     where = f"element {n}"
     if not isinstance(value, dict):
         return report(where, "malformed_json", f"expected a JSON object, got {kind(value)}")
-    if key not in value:
-        return report(where, "missing_field", f"no {key!r} key; keys are "
-                      f"{', '.join(map(repr, list(value)[:5])) or 'none'}")
-    text = value[key]
-    if type(text) is not str:
-        return report(where, "non_string_field", f"{key!r} is {kind(text)}")
-    if check and (error := _not_utf8(text, key)):
+    text = joined(value, (key,) if isinstance(key, str) else key)
+    if not isinstance(text, str):
+        return report(where, *text)
+    if check and (error := _not_utf8(text, key if isinstance(key, str) else ",".join(key))):
         return report(where, "invalid_utf8", error)
-    return Doc(text, n) if text else report(where, "empty_document", f"{key!r} is empty")
+    return Doc(text, n)
 
 
 class _Malformed:

@@ -36,7 +36,7 @@ from typing import Protocol
 import numpy as np
 import xxhash
 
-from tokenmill.errors import ConfigError, TokenizerError
+from tokenmill.errors import ConfigError, TokenizerError, require
 from tokenmill.fastbpe import ENGINE_CHOICES, NoFastPath, choose_engine, encode_np, scrub
 from tokenmill.tokenizer_files import TokenizerFile, openai_params, parse_ranks, resolve
 
@@ -297,8 +297,7 @@ class SentencePieceTokenizer:
     engine_notes = ()
 
     def __init__(self, found: TokenizerFile, *, eos: str | None, bos: str | None, spec: str):
-        import sentencepiece as spm
-
+        spm = require("sentencepiece", "sentencepiece", f"{spec}: a sentencepiece model")
         path, data, self._found, self.source = found.path, found.data, found, found.source
         self._spec, self._kwargs = spec, {"eos": eos, "bos": bos}
         self._data, self.name = data, os.path.basename(path)

@@ -81,14 +81,16 @@ def slowdown(it: Iterator, passes: int, *, blocks: int, per: int) -> dict[str, f
     """Median step fed by ``it`` and median step alone (ms) and the slowdown (%), from
     ``blocks`` pairs of blocks: ``per`` steps each after a ``next(it)``, then ``per`` steps alone
     (their first DROPPED left out). Interleaved, so that another tenant's burst or a clock
-    change hits both sides alike (measuring alone before and after read ±2% at a 2 ms step)."""
+    change hits both sides alike (measuring alone before and after read ±2% at a 2 ms step).
+    The noise (%): how much the blocks' median alone steps differ (max / min - 1; None for one
+    block): a slowdown within it is the machine's variation, not the loader's cost."""
     if blocks < 1:
         raise ValueError(f"blocks must be an int >= 1 (got {blocks=})")
     if per <= DROPPED:
         raise ValueError(f"per must be an int > {DROPPED} (got {per=}): the first {DROPPED} "
                          "steps of each alone block are not timed")
     base, work = _arrays()
-    fed, alone = [], []
+    fed, alone, block_medians = [], [], []
     for _ in range(blocks):
         for _ in range(per):
             next(it)
@@ -100,9 +102,11 @@ def slowdown(it: Iterator, passes: int, *, blocks: int, per: int) -> dict[str, f
             step_work(passes, base, work)
             if i >= DROPPED:
                 alone.append(time.perf_counter() - t0)
+        block_medians.append(statistics.median(alone[-(per - DROPPED):]))
     with_ms, alone_ms = 1e3 * statistics.median(fed), 1e3 * statistics.median(alone)
+    noise = 100 * (max(block_medians) / min(block_medians) - 1) if blocks > 1 else None
     return {"step_ms_with_loader": with_ms, "step_ms_alone": alone_ms,
-            "step_slowdown_pct": 100 * (with_ms / alone_ms - 1)}
+            "step_slowdown_pct": 100 * (with_ms / alone_ms - 1), "step_slowdown_noise_pct": noise}
 
 
 def measure(name: str, store: str, *, seq_len: int, batch_size: int, seed: int, seconds: float,

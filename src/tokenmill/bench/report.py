@@ -21,7 +21,15 @@ def _row(r: dict) -> tuple[str, ...]:
             f"{first * 1e3:,.1f} ms" if first < 1 else f"{first:,.2f} s",
             f"{r['peak_rss_mb']:,.0f} MB", f"{r['peak_anon_mb']:,.0f} MB",
             f"{r['data_wait_pct']:.1f}%",
-            f"{r['wait_p99_ms']:,.2f} ms", f"{r['step_slowdown_pct']:+.1f}%")
+            f"{r['wait_p99_ms']:,.2f} ms", slowdown_cell(r))
+
+
+def slowdown_cell(r: dict) -> str:
+    """The step slowdown with its noise beside it, marked when within it: "-29.0% ±35.0 noise"."""
+    s, noise = r["step_slowdown_pct"], r.get("step_slowdown_noise_pct")
+    if noise is None:
+        return f"{s:+.1f}%"
+    return f"{s:+.1f}% ±{noise:.1f}" + (" noise" if abs(s) <= noise else "")
 
 
 def format_table(results: list[dict]) -> str:

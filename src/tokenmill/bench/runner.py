@@ -183,7 +183,10 @@ def report_notes(results: list[dict], passes: int, step_ms: float) -> list[str]:
     notes = [f"step: {passes} passes of np.sin over {WORK_FLOATS:,} float64 on one thread, "
              f"calibrated in the parent to {step_ms:g} ms with no loader running; slowdown = "
              "median step with the loader / median step alone - 1, alone being the faster of "
-             "the medians timed in the same child before the loader starts and after it closes",
+             "the medians timed in the same child before the loader starts and after it closes; "
+             "±N: how much the step alone varied over the run (max / min of its blocks' medians "
+             "- 1); a slowdown within it is marked noise — the machine's variation (a busy "
+             "machine: other tenants), not the loader's cost",
              "peak RSS: summed over the contender's process tree, sampled every 50 ms. It counts "
              "the pages of the store a process has mapped: the kernel maps a warm file up to 2 MB "
              "at a time, so a loader drawing random windows soon maps the whole store (page "

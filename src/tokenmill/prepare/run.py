@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from tokenmill import readers, sources, tabular
 from tokenmill.errors import ConfigError
+from tokenmill.textfields import check_joinable, ignored_note
 from tokenmill.io import file_size, is_url, redact
 from tokenmill.prepare.identity import check_unchanged, finished_ids, input_ids
 from tokenmill.prepare.pool import ReadAhead, UnitPool, ordered_results
@@ -80,12 +81,12 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
     if config.add_bos and tok.bos_id is None:
         raise ConfigError(f"add_bos=True but tokenizer {config.tokenizer!r} has no BOS token; "
                           "pass bos='…'")
-    listing = sources.list_inputs(inputs, on_error=config.on_error,
-                                  storage_options=storage_options, split=config.split)
+    listing = sources.list_inputs(inputs, on_error=config.on_error, storage_options=storage_options,
+                                  split=config.split, text_ext=config.text_ext)
     files, list_skips = listing.files, listing.skips
+    check_joinable(config.text_key, {f: sources.format_of(f, config.text_ext) for f in files})
     if listing.ignored:
-        report(f"note: {listing.ignored}; prepare reads regular files of .txt, .jsonl[.gz|.zst], "
-               ".json[.gz|.zst], .csv, .tsv, .parquet, .arrow", progress)
+        report(ignored_note(listing.ignored), progress)
     sizes = file_sizes(files, storage_options)
     ids = input_ids(files, storage_options)  # before any input is read again (a resume's check)
     settings = config.settings(inputs, files, sizes, storage_options)
@@ -230,10 +231,10 @@ def early_reader(inputs, config: PrepareConfig, storage_options) -> ReadAhead | 
         return None
     try:
         listing = sources.list_inputs(inputs, on_error=config.on_error,
-                                      storage_options=storage_options)
+                                      storage_options=storage_options, text_ext=config.text_ext)
         # before planning: planning a compressed stream decompresses it whole (start_run would
         # do that a second time), and its units' bytes come from the parent anyway
-        if any(sources.format_of(f) in COMPRESSED for f in listing.files):
+        if any(sources.format_of(f, config.text_ext) in COMPRESSED for f in listing.files):
             return None
         units = sources.plan_units(listing.files, config.source_config(storage_options))
     except Exception:  # noqa: BLE001 - start_run lists them again and reports the problem

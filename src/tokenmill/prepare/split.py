@@ -118,6 +118,16 @@ def check_split_out(out: str | os.PathLike) -> None:
                           "another --out, or delete this one")
 
 
+def split_sides(path: str | os.PathLike) -> dict[str, str] | None:
+    """``{"train": path/train, "val": path/val}`` when the local folder ``path`` holds a split's
+    two stores (and no store of its own), else None."""
+    sides = split_paths(path)
+    if is_url(path) or os.path.exists(os.path.join(path, "manifest.json")) or not all(
+            os.path.exists(os.path.join(p, "manifest.json")) for p in sides.values()):
+        return None
+    return sides
+
+
 def check_plain_out(out: str | os.PathLike) -> None:
     """Refuse to write a plain store into a local folder that holds a split's two stores."""
     out = os.fspath(out)

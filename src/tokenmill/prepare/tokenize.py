@@ -28,9 +28,10 @@ from tokenmill import sources
 from tokenmill.errors import check_int
 from tokenmill.io import CHUNK, filesystem, is_url, redact
 from tokenmill.prepare.split import check_holdout, keep_side
+from tokenmill.textfields import text_extensions, text_keys
 from tokenmill.prepare.transform import (sample_records, transform_identity, transform_spec,
                                          transformed)
-from tokenmill.records import Doc, LineCount
+from tokenmill.records import Doc, LineCount, unit_format
 from tokenmill.tokenizer import Tokenizer, encode_documents, load_tokenizer, token_dtype
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB uint16 shards
@@ -57,8 +58,11 @@ class PrepareConfig:
     transform: str | None = None  # "module:qualname" of fn(record) -> str | None
     holdout: tuple[str, float] | None = None  # ("val", 0.01): keep that side of a split
     split: str | None = None  # the split of a folder holding several (tokenmill.splits)
+    text_ext: tuple[str, ...] = ()  # extensions read as text ("" = none; tokenmill.textfields)
 
     def __post_init__(self):
+        object.__setattr__(self, "text_key", text_keys(self.text_key))  # frozen: normalised here
+        object.__setattr__(self, "text_ext", text_extensions(self.text_ext))
         for name in ("shard_tokens", "unit_bytes"):  # frozen: made plain ints once, here
             object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=1))
         if self.transform is not None:  # frozen: normalised once, here
@@ -70,7 +74,7 @@ class PrepareConfig:
         return sources.SourceConfig(text_key=self.text_key, txt_mode=self.txt_mode,
                                     on_error=self.on_error, unit_bytes=self.unit_bytes,
                                     storage_options=storage_options, split=self.split,
-                                    records=self.transform is not None)
+                                    records=self.transform is not None, text_ext=self.text_ext)
 
     def settings(self, inputs: Sequence[str], files: Sequence[str], sizes: dict[str, int],
                  storage_options: Mapping | None = None) -> dict:
@@ -80,14 +84,15 @@ class PrepareConfig:
         s = asdict(self)
         s.pop("tokenizer_engine")  # every engine gives identical ids (proven at load time)
         s.pop("unit_bytes")  # how work is split never changes the bytes (the resume key has it)
-        for name in ("transform", "holdout", "split"):  # absent when unset: older stores stay the same
-            if s[name] is None:
+        for name in ("transform", "holdout", "split", "text_ext"):  # absent when unset: older
+            if not s[name]:  # stores stay the same
                 s.pop(name)
         if self.transform is not None:
             samples = sample_records(files, self.source_config(storage_options))
             s["transform"] = transform_identity(self.transform, samples)
-        if self.holdout is not None:
-            s["holdout"] = list(self.holdout)  # as JSON reads it back: the resume key compares
+        for name in ("holdout", "text_key", "text_ext"):  # as JSON reads them back: the resume
+            if isinstance(s.get(name), tuple):  # key compares
+                s[name] = list(s[name])
         s["inputs"] = [input_name(i) for i in inputs]
         s["num_files"] = len(files)
         s["files_xxh3"] = xxhash.xxh3_64_hexdigest(
@@ -222,7 +227,7 @@ def unit_digest(unit: sources.Unit, storage_options: Mapping | None = None) -> s
     return None. A URL: fsspec's ``ukey`` (ETag or size and time). None if it cannot be read.
     """
     h = xxhash.xxh3_64(f"{input_name(unit.path)}\t{unit.start}\t{unit.stop}\n".encode())
-    byte_range = sources.format_of(unit.path) in ("jsonl", "txt") and unit.stop != -1
+    byte_range = unit_format(unit) in ("jsonl", "txt") and unit.stop != -1
     if not byte_range and unit.start != 0:
         return None
     try:

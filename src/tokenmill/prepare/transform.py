@@ -142,7 +142,8 @@ def sample_records(files: Sequence[str], config: SourceConfig) -> list[Sample]:
     pure function of the inputs, so a rerun replays the transform on the same records."""
     samples: list[Sample] = []
     for path in files[:SAMPLE_FILES]:
-        items = sources.read_unit(sources.Unit(path, 0, -1), config)
+        items = sources.read_unit(sources.Unit(path, 0, -1, fmt=sources.format_of(
+            path, config.text_ext)), config)
         try:
             kept = [item for item in itertools.islice(items, 8 * SAMPLE_RECORDS)
                     if not isinstance(item, Skip)][:SAMPLE_RECORDS]

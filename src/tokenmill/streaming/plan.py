@@ -145,7 +145,8 @@ def plan_stream(inputs: str | os.PathLike | Sequence, config: PrepareConfig, tok
         inputs = [inputs]
     inputs = [os.fspath(i) for i in inputs]
     files, list_skips = sources.list_files(inputs, on_error=config.on_error,
-                                           storage_options=storage_options, split=config.split)
+                                           storage_options=storage_options, split=config.split,
+                                           text_ext=config.text_ext)
     sizes = file_sizes(files, storage_options)  # as prepare records them: the same settings
     mtimes = modification_times(files, storage_options)
     settings = config.settings(inputs, files, sizes, storage_options)
