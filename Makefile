@@ -9,12 +9,17 @@ STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.demo-installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# tests/test_integration_torchtitan.py: torchtitan 0.3.0 pins datasets<4.8, which would move datasets,
+# fsspec, s3fs and huggingface_hub back for everything; installed without its dependencies, with
+# those its data loader, optimizer and checkpointer import (tyro's own two included)
+TORCHTITAN := torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1
 
 .PHONY: demo test soak bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,fast,torch,jax,grain,ray]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps -c constraints.txt $(TORCHTITAN)
 	touch $(STAMP)
 
 $(DEMO_STAMP): pyproject.toml constraints.txt

@@ -52,8 +52,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("tokenmill.loader",),
     ("tokenmill.device", "tokenmill.inspection", "tokenmill.interchange", "tokenmill.bench*", "tokenmill.demo"),
     ("tokenmill.cli", "tokenmill.integrations", "tokenmill.integrations.torch",
-     "tokenmill.integrations.jax", "tokenmill.integrations.grain"),
-    ("tokenmill.torch", "tokenmill.jax", "tokenmill.grain", "tokenmill.__main__"),
+     "tokenmill.integrations.jax", "tokenmill.integrations.grain", "tokenmill.integrations.hf",
+     "tokenmill.integrations.torchtitan"),
+    ("tokenmill.torch", "tokenmill.jax", "tokenmill.grain", "tokenmill.hf", "tokenmill.__main__"),
     ("tokenmill",),
 ]
 MAX_MODULE_LINES = 500
