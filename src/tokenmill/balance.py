@@ -25,6 +25,7 @@ __all__ = ["CostModel", "balance_rows", "full_row_bound", "imbalance", "rank_cos
            "row_segments"]
 
 REFINE_ROUNDS = 64  # pair swaps tried after the greedy deal: each lowers the heaviest rank
+REFINE_GAIN = 1e-4  # ... by at least this fraction of the mean rank cost (512 rows: 3.6 → 0.8 ms)
 
 
 @dataclass(frozen=True)
@@ -170,8 +171,10 @@ def _deal(c: np.ndarray, world: int, per: int) -> np.ndarray:
 
 def _refine(c: np.ndarray, owner: np.ndarray, world: int) -> None:
     """Swap a row of the heaviest rank with a lighter row of another rank, the swap that leaves
-    the pair's larger cost least, while that is below the heaviest rank's cost (in place)."""
+    the pair's larger cost least, while that lowers the heaviest rank by at least REFINE_GAIN
+    of the mean (in place)."""
     load = np.bincount(owner, weights=c, minlength=world)
+    enough = load.mean() * REFINE_GAIN
     for _ in range(REFINE_ROUNDS if world > 1 else 0):
         hi = int(np.argmax(load))
         mine = np.flatnonzero(owner == hi)
@@ -180,7 +183,7 @@ def _refine(c: np.ndarray, owner: np.ndarray, world: int) -> None:
         after = np.maximum(load[hi] - d, load[owner[other]][None, :] + d)
         after[d <= 0] = np.inf
         k = int(np.argmin(after))
-        if not after.flat[k] < load[hi] * (1 - 1e-12):
+        if not after.flat[k] < load[hi] - enough:
             return
         x, y = mine[k // len(other)], other[k % len(other)]
         lo = owner[y]
