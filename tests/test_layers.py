@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tokenmill.records", "tokenmill.jsonl", "tokenmill.readers", "tokenmill.columnar", "tokenmill.tabular",
      "tokenmill.splits", "tokenmill.decompress", "tokenmill.sources", "tokenmill.fastbpe",
      "tokenmill.tokenizer_files", "tokenmill.tokenizer", "tokenmill.pack", "tokenmill.rows",
-     "tokenmill.attention",
+     "tokenmill.attention", "tokenmill.balance", "tokenmill.cpsplit", "tokenmill.seqlens",
      "tokenmill.mixture"),
     ("tokenmill.packfit",),
     ("tokenmill.packplan",),
