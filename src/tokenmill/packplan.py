@@ -19,7 +19,7 @@ more rows than allotted cuts a few documents into the others' free room (counted
 needs fewer splits its fullest rows. Without a cap, β >= L guarantees that cutting always fits
 (``packfit._stream``): every token of every document is in exactly one row each epoch. Under
 ``max_segments`` nothing guarantees it (a row's segment slots may all be taken), so β covers
-windows sampled over the whole epoch plus Z_CAPPED standard deviations of their needs, and a
+the windows of the first block read plus Z_CAPPED standard deviations of their needs, and a
 window still short of rows is an error naming it.
 """
 
@@ -42,15 +42,15 @@ __all__ = ["PACKING", "PACKING_CAPPED", "PackedPlan", "WindowRows", "docs_per_wi
            "packing_name", "window_memory"]
 
 PACKING = "strata-v1"  # goes into the fingerprint: batches change when this does
-PACKING_CAPPED = "strata-v2"  # under max_segments: β from windows spread over the epoch
+PACKING_CAPPED = "strata-v2"  # under max_segments: β from the first block of windows + 4 σ
 ROWS_PER_WINDOW = 4096  # rows a window aims at: a row of margin a window costs 0.025% padding
 MIN_WINDOW, MAX_WINDOW = 64, 1 << 16  # documents a window
 SAMPLES = 4  # windows of epoch 0 packed to set β
 MARGIN = 0.0  # β: rows above the largest of the samples' needs, per row they needed
 MARGIN_CAPPED = 0.005  # under max_segments a window short of rows may not be mendable by cuts
-SAMPLES_CAPPED, Z_CAPPED = 16, 4.0  # under max_segments: windows sampled over the epoch, and the
-# standard deviations of their needs added to β (a window's need is a sum over thousands of
-# documents, near normal: 4 σ leaves ~3e-5 of windows short, and those are mended by cuts)
+Z_CAPPED = 4.0  # under max_segments: standard deviations of the sampled windows' needs added to
+# β (a window's need is a sum over thousands of documents, near normal: 4 σ leaves ~3e-5 of
+# windows short of the β their sample implies)
 CACHED_WINDOWS = 8
 BLOCK_WINDOWS, BLOCK_DOCS = 8, 1 << 18  # windows whose documents one pass reads: ≤ 6 MB
 _TAG = 0x73747261  # "stra"
@@ -387,8 +387,7 @@ class PackedPlan:
         always hold its documents cut as a stream, ``_stream``), and enough for the first
         SAMPLES windows of epoch 0 (one read of the indexes, which the first batch reads anyway)
         to pack naturally. Under max_segments no stream cut can mend a window short of rows, so
-        the windows sampled spread over the epoch and β adds Z_CAPPED standard deviations of
-        what they needed."""
+        more windows are sampled and β adds Z_CAPPED standard deviations of what they needed."""
         samples = self._samples()
         needs = [self._beta_needed(w) for w in samples]
         beta = max(self.seq_len, max(needs))
@@ -398,14 +397,10 @@ class PackedPlan:
         return beta
 
     def _samples(self) -> list[int]:
-        """The windows of epoch 0 that set β: the first SAMPLES, and under max_segments
-        SAMPLES_CAPPED more spread evenly over the epoch."""
+        """The windows of epoch 0 that set β: the first SAMPLES, and under max_segments every
+        window of the first block (``_raw`` reads them in the same pass: no more reads)."""
         n = self.num_windows()
-        first = list(range(min(SAMPLES, n)))
-        if self.cap is None:
-            return first
-        spread = np.linspace(0, n - 1, min(SAMPLES_CAPPED, n)).round().astype(int).tolist()
-        return sorted(set(first) | set(spread))
+        return list(range(min(n, SAMPLES if self.cap is None else max(SAMPLES, self.block))))
 
     def _beta_needed(self, w: int) -> int:
         """Tokens of β that window w of epoch 0 needs to pack naturally, per raw window it
