@@ -157,15 +157,16 @@ def test_stats_count_the_windows_packed(tmp_path):
 
 def test_a_tight_cap_on_two_kinds_of_documents_packs_the_windows_the_first_ones_misjudge(tmp_path):
     # half tiny documents, half longer than a row, max_segments=1: a window's need is its count
-    # of pieces, which varies from window to window; β set from the first 4 windows left windows
-    # 6 and 9 of this store short of rows, and the loader failed there, mid-epoch
+    # of pieces, which varies from window to window; β set from the first 4 windows of epoch 0
+    # left 20 of 78 windows short of rows (these among them), and the loader failed there
     rng = np.random.default_rng(0)
     n = 200_000
     lengths = np.where(rng.random(n) < 0.5, rng.integers(5, 60, n), rng.integers(1500, 5000, n))
     path = write_sparse_store(tmp_path / "s", [lengths])
     with TokenStore(path, verify="off") as store:
         plan = PackedPlan(store, seq_len=2048, max_segments=1, seed=0, salt=0)
-        for w in (6, 9):
-            rows = plan.window_rows(0, w)
+        for epoch, w in ((0, 6), (0, 9), (1, 15), (1, 20), (1, 28)):
+            rows = plan.window_rows(epoch, w)
             assert np.diff(rows.layout.row_ptr).max() == 1
-            assert sorted(set(rows.layout.seg_doc.tolist())) == sorted(plan.window_docs(0, w).tolist())
+            assert sorted(set(rows.layout.seg_doc.tolist())) == \
+                sorted(plan.window_docs(epoch, w).tolist())
