@@ -69,6 +69,27 @@ def write_positional_store(path: Path, lengths, *, shard_tokens: int = 1 << 30, 
                              shard_tokens=shard_tokens)
 
 
+def write_sparse_store(out: Path, shard_lengths: list) -> Path:
+    """A store of uint16 zeros, one shard per array of document lengths, its .bin files sparse
+    (no blocks written) and checksums placeholders: open it with verify="off"."""
+    import numpy as np
+
+    from tokenmill.store import ShardInfo, atomic_write_json, build_manifest, idx_bytes, shard_name
+    out.mkdir(parents=True)
+    infos = []
+    for i, lengths in enumerate(shard_lengths):
+        name, tokens = shard_name(i), int(np.sum(lengths))
+        with open(out / f"{name}.bin", "wb") as f:
+            f.truncate(2 * tokens)
+        (out / f"{name}.idx").write_bytes(idx_bytes(np.asarray(lengths, np.int64), np.uint16))
+        infos.append(ShardInfo(name, len(lengths), tokens, 2 * tokens,
+                               (out / f"{name}.idx").stat().st_size, f"{i:016x}", f"{i:016x}"))
+    manifest = build_manifest(tokenizer={"kind": "sparse-test", "vocab_size": 65000},
+                              dtype=np.uint16, shards=infos, settings={}, skipped={"total": 0})
+    atomic_write_json(out / "manifest.json", manifest)
+    return out
+
+
 def write_token_store(path: Path, tokens, lengths, *, shard_tokens: int = 1 << 30):
     """A store (int32) of ``tokens`` cut into documents of ``lengths``, shards of about
     ``shard_tokens`` tokens."""

@@ -268,7 +268,7 @@ def test_plan_packed_without_a_store_refuses_instead_of_0_bytes(site):
     assert r.returncode == 2 and "--store" in line and "0 documents" not in r.stdout
     r = cli("plan", "--seq-len", "128", "--batch-size", "4", "--layout", "packed", "--store",
             "store", cwd=site)
-    assert r.returncode == 0 and "packed layout" in r.stdout and "(20 documents)" in r.stdout
+    assert r.returncode == 0 and "packed windows" in r.stdout and "(at most, 20 documents)" in r.stdout
 
 
 def test_a_usage_error_is_one_line_too(site):

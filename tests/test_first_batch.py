@@ -14,31 +14,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import write_sparse_store
+
 from tokenmill import Loader
-from tokenmill.store import ShardInfo, TokenStore, atomic_write_json, build_manifest, idx_bytes, \
-    shard_name
+from tokenmill.store import TokenStore
 
 TOKENS, SHARDS, DOC = 10**9, 128, 1000
 
 
 def sparse_store(out: Path) -> Path:
     """1e9 uint16 zeros in 128 sparse shards; checksums are placeholders (opened verify='off')."""
-    out.mkdir()
     per = TOKENS // SHARDS
-    infos = []
-    for i in range(SHARDS):
-        name = shard_name(i)
-        with open(out / f"{name}.bin", "wb") as f:
-            f.truncate(2 * per)
-        lengths = np.full(per // DOC, DOC, np.int64)
-        lengths[-1] += per - lengths.sum()
-        (out / f"{name}.idx").write_bytes(idx_bytes(lengths, np.uint16))
-        infos.append(ShardInfo(name, len(lengths), per, 2 * per,
-                               (out / f"{name}.idx").stat().st_size, f"{i:016x}", f"{i:016x}"))
-    manifest = build_manifest(tokenizer={"kind": "sparse-test", "vocab_size": 65000},
-                              dtype=np.uint16, shards=infos, settings={}, skipped={"total": 0})
-    atomic_write_json(out / "manifest.json", manifest)
-    return out
+    lengths = np.full(per // DOC, DOC, np.int64)
+    lengths[-1] += per - lengths.sum()
+    return write_sparse_store(out, [lengths] * SHARDS)
 
 
 def mapped_shards(store: Path) -> set[str]:

@@ -388,18 +388,18 @@ def run_plan(args) -> int:
     """Print the memory the loader's buffers take for a config."""
     from tokenmill.loader import PREFETCH_MEMORY_BUDGET, memory_plan
     if args.layout == "packed" and not args.store:
-        raise ConfigError("--layout packed needs --store STORE: the packed layout's size "
-                          "depends on the store's number of documents")
-    docs = 0
-    if args.store:
-        from tokenmill.store import read_manifest
-        docs = read_manifest(args.store)["num_documents"]
+        raise ConfigError("--layout packed needs --store STORE: the packed plan's size "
+                          "depends on the store's document lengths")
+    from tokenmill.packplan import window_memory
+    from tokenmill.store import read_manifest
+    m = read_manifest(args.store) if args.store else {"num_documents": 0, "num_tokens": 0}
+    docs, packed = m["num_documents"], window_memory(m["num_documents"], m["num_tokens"], args.seq_len)
     plan = memory_plan(seq_len=args.seq_len, batch_size=args.batch_size, layout=args.layout,
-                       dtype=args.dtype, prefetch=args.prefetch, num_documents=docs)
+                       dtype=args.dtype, prefetch=args.prefetch, packed_bytes=packed)
     print(f"batch ring     {plan['batch_ring'] / 2**20:10.2f} MiB  "
           f"({args.prefetch} prefetched + 2 held batches of {args.batch_size}×{args.seq_len})")
     if args.layout == "packed":
-        print(f"packed layout  {plan['packed_layout'] / 2**20:10.2f} MiB  ({docs:,} documents)")
+        print(f"packed windows {plan['packed_layout'] / 2**20:10.2f} MiB  (at most, {docs:,} documents)")
     print(f"total          {plan['total'] / 2**20:10.2f} MiB  (prefetch=\"auto\" grows within "
           f"{PREFETCH_MEMORY_BUDGET / 2**30:.0f} GiB)")
     return 0

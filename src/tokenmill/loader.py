@@ -31,7 +31,7 @@ from tokenmill.lifetime import Iteration, OneIterator, Pass
 from tokenmill.mixture import described_phases
 from tokenmill.options import LoaderOptions
 from tokenmill.pacing import Pacer
-from tokenmill.packplan import PACKING
+from tokenmill.packplan import packing_name
 from tokenmill.plan import (STATE_VERSION, BatchPlan, LayoutConfig, batch_at, global_positions, resolve_rank)
 from tokenmill.procs import resolve_workers, usable_cores
 from tokenmill.provenance import RowOrigin, explain_positions
@@ -391,7 +391,8 @@ class Loader(OneIterator):
                 "seq_len": config.seq_len, "layout": config.layout, "seed": config.seed,
                 "max_segments": config.max_segments, "batch_size": self.batch_size,
                 "world_size": self.world_size, "num_workers": self.num_workers,
-                **({"packing": PACKING} if config.layout == "packed" else {}),
+                **({"packing": packing_name(config.max_segments)} if config.layout == "packed"
+                   else {}),
                 **({"document_masks": True} if config.document_masks else {})}
 
     def resume_report(self, state: Mapping[str, Any]) -> list[Difference]:

@@ -196,36 +196,55 @@ def _pieces(doc_lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarr
     return doc, offset, length
 
 
-def _best_fit(lengths: list[int], capacity: int, first_row: int) -> np.ndarray:
-    """Row of each item (lengths sorted decreasing) by best fit: the open row with the least
-    room that fits, ties to the lowest row id; a new row when none fits.
+def _best_fit(lengths: np.ndarray, capacity: int, first_row: int) -> np.ndarray:
+    """Row of each item (lengths >= 1, sorted decreasing) by best fit: the open row with the
+    least room that fits, ties to the lowest row id; a new row when none fits.
 
-    _best_fit([5, 4, 3, 2, 1], 6, 0).tolist() == [0, 1, 2, 1, 0]
+    Items of one length come in runs; the row that takes one item of a run keeps taking the run
+    while it has room (its room left is then the smallest that fits: a row with less would have
+    been chosen), so a run goes to a row ``room // length`` items at a time — the result of
+    placing them one by one, in one step per row instead of one per item.
+
+    _best_fit(np.array([5, 4, 3, 2, 1]), 6, 0).tolist() == [0, 1, 2, 1, 0]
     """
+    n = len(lengths)
+    if n == 0:
+        return np.empty(0, dtype=np.int64)
+    cuts = (np.flatnonzero(lengths[1:] != lengths[:-1]) + 1).tolist()
+    sizes, rows = lengths.tolist(), [0] * n
     buckets: list[list[int]] = [[] for _ in range(capacity + 1)]  # room → heap of row ids
     mask = 0  # bit r set ⇔ some open row has exactly r tokens of room
-    rows = np.empty(len(lengths), dtype=np.int64)
     next_row = first_row
     heappop, heappush = heapq.heappop, heapq.heappush
-    for i, length in enumerate(lengths):
-        m = mask >> length
-        if m:
-            room = length + (m & -m).bit_length() - 1  # lowest set bit: the smallest room that fits
-            bucket = buckets[room]
-            row = heappop(bucket)
-            if not bucket:
-                mask ^= 1 << room
-        else:
-            row, room = next_row, capacity
-            next_row += 1
-        rows[i] = row
-        room -= length
-        if room:
-            bucket = buckets[room]
-            if not bucket:
-                mask |= 1 << room
-            heappush(bucket, row)
-    return rows
+    for i, end in zip([0] + cuts, cuts + [n]):
+        length = sizes[i]
+        while i < end:
+            m = mask >> length
+            if m:
+                room = length + (m & -m).bit_length() - 1  # lowest set bit: the smallest room that fits
+                bucket = buckets[room]
+                row = heappop(bucket)
+                if not bucket:
+                    mask ^= 1 << room
+            else:
+                row, room = next_row, capacity
+                next_row += 1
+            k = room // length
+            if k == 1 or end - i == 1:
+                rows[i] = row
+                i += 1
+                room -= length
+            else:
+                k = min(k, end - i)
+                rows[i:i + k] = [row] * k
+                i += k
+                room -= k * length
+            if room:
+                bucket = buckets[room]
+                if not bucket:
+                    mask |= 1 << room
+                heappush(bucket, row)
+    return np.array(rows, dtype=np.int64)
 
 
 def _fair_fill(lengths: np.ndarray, capacity: int, max_segments: int
@@ -300,7 +319,7 @@ def place(length: np.ndarray, capacity: int, max_segments: int | None = None
         order = np.argsort(-length, kind="stable")
         n_full = int(np.count_nonzero(length == capacity))  # a full piece fills a row alone
         rows = np.concatenate([np.arange(n_full, dtype=np.int64),
-                               _best_fit(length[order[n_full:]].tolist(), capacity, n_full)])
+                               _best_fit(length[order[n_full:]], capacity, n_full)])
         # segments in row order (rows numbered by creation), within a row in the order placed
         by_row = np.argsort(rows, kind="stable")
         order, rows = order[by_row], rows[by_row]

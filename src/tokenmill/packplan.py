@@ -1,23 +1,26 @@
 """The packed layout as a lazy plan: nothing a rank computes at start grows with the store.
 
 Documents are split into K *strata*, contiguous ranges of the store (K = ``docs_per_window``,
-about 2,048 rows' worth of documents). Epoch e gives stratum i a random rotation ``shift_i``;
-*window* w takes from every stratum its document ``(shift_i + w) mod M_i`` (M_i documents in
-stratum i), so each window holds K documents spread over the whole store, and over the epoch's
-windows every document is taken exactly once. A window is packed on its own (best-fit
-decreasing, or the fair fill under ``max_segments``: ``pack.place``) into exactly the number of
-rows it is *allotted*, and its rows are shuffled::
+about ROWS_PER_WINDOW rows' worth of documents). Epoch e gives stratum i a random rotation
+``shift_i``; *window* w takes from every stratum its document ``(shift_i + w) mod M_i`` (M_i
+documents in stratum i), so each window holds K documents spread over the whole store, and over
+the epoch's windows every document is taken exactly once. A window is packed on its own
+(best-fit decreasing, or the fair fill under ``max_segments``: ``pack.place``) into exactly the
+number of rows it is *allotted*, and its rows are shuffled::
 
-    epoch rows  [ window 0: G(0)..G(1) | window 1: G(1)..G(2) | … ]     G(w) = ⌊α·P_w / L⌋ + β·w
+    epoch rows  [ window 0: G(0)..G(1) | window 1: G(1)..G(2) | … ]     G(w) = ⌊(P_w + β·w) / L⌋
 
 P_w, the tokens of the windows before w, is a sum over the strata of one contiguous range each:
 K index reads, whatever the store's size. So the rows an epoch has (G at the end: from the
 manifest's token count), the window a row falls in (a search over w) and the window's own rows
-(K document lengths, packed) all cost O(K), never O(documents). α is (L + 1) / L; β is set once per
-store and config by packing a few windows of epoch 0 (``calibrate``), with a margin: a window that
-needs more rows than allotted cuts a few documents into the others' free room (counted), one
-that needs fewer splits its fullest rows. Without a cap, α = (L + 1) / L guarantees that
-cutting always fits: every token of every document is in exactly one row each epoch.
+(K document lengths, packed) all cost O(K), never O(documents). β (tokens a window) is set once
+per store and config by packing sample windows of epoch 0 (``calibrate``): a window that needs
+more rows than allotted cuts a few documents into the others' free room (counted), one that
+needs fewer splits its fullest rows. Without a cap, β >= L guarantees that cutting always fits
+(``packfit._stream``): every token of every document is in exactly one row each epoch. Under
+``max_segments`` nothing guarantees it (a row's segment slots may all be taken), so β covers
+the windows of the first block read plus Z_CAPPED standard deviations of their needs, and a
+window still short of rows is an error naming it.
 """
 
 from __future__ import annotations
@@ -35,17 +38,30 @@ from tokenmill.errors import ConfigError
 from tokenmill.packfit import fit_rows
 from tokenmill.sampler import epoch_permutation, hash_ints
 
-__all__ = ["PACKING", "PackedPlan", "WindowRows", "docs_per_window", "epoch_layout"]
+__all__ = ["PACKING", "PACKING_CAPPED", "PackedPlan", "WindowRows", "docs_per_window", "epoch_layout",
+           "packing_name", "window_memory"]
 
 PACKING = "strata-v1"  # goes into the fingerprint: batches change when this does
+PACKING_CAPPED = "strata-v2"  # under max_segments: β from the first block of windows + 4 σ
 ROWS_PER_WINDOW = 4096  # rows a window aims at: a row of margin a window costs 0.025% padding
 MIN_WINDOW, MAX_WINDOW = 64, 1 << 16  # documents a window
 SAMPLES = 4  # windows of epoch 0 packed to set β
 MARGIN = 0.0  # β: rows above the largest of the samples' needs, per row they needed
 MARGIN_CAPPED = 0.005  # under max_segments a window short of rows may not be mendable by cuts
+Z_CAPPED = 4.0  # under max_segments: standard deviations of the sampled windows' needs added to
+# β (a window's need is a sum over thousands of documents, near normal: 4 σ leaves ~3e-5 of
+# windows short of the β their sample implies)
 CACHED_WINDOWS = 8
 BLOCK_WINDOWS, BLOCK_DOCS = 8, 1 << 18  # windows whose documents one pass reads: ≤ 6 MB
 _TAG = 0x73747261  # "stra"
+
+
+def packing_name(max_segments: int | None) -> str:
+    """The packing algorithm's name for the fingerprint and resume state.
+
+    packing_name(None) == "strata-v1"
+    """
+    return PACKING if max_segments is None else PACKING_CAPPED
 
 
 def docs_per_window(num_docs: int, num_tokens: int, seq_len: int) -> int:
@@ -56,6 +72,20 @@ def docs_per_window(num_docs: int, num_tokens: int, seq_len: int) -> int:
     mean = max(1.0, num_tokens / max(1, num_docs))
     k = int(np.ceil(ROWS_PER_WINDOW * (seq_len + 1) / mean))
     return max(1, min(num_docs, max(MIN_WINDOW, min(MAX_WINDOW, k))))
+
+
+def window_memory(num_docs: int, num_tokens: int, seq_len: int) -> int:
+    """Bytes a packed plan holds at most: CACHED_WINDOWS packed windows (24 bytes a segment, 16
+    a row) and two blocks of read index entries (24 bytes a document); bounded by the window
+    size, whatever the store's.
+
+    window_memory(10**8, 10**11, 2048) < 64 * 2**20
+    """
+    k = docs_per_window(max(1, num_docs), max(2, num_tokens), seq_len)
+    rows = -(-k * max(1, num_tokens // max(1, num_docs)) // (seq_len + 1))
+    window = int(k * 1.1) * 24 + (rows + 1) * 16
+    block = max(1, min(BLOCK_WINDOWS, BLOCK_DOCS // k)) * k * 24
+    return CACHED_WINDOWS * window + 2 * block
 
 
 # ---- the plan ---------------------------------------------------------------------------------
@@ -95,7 +125,7 @@ class PackedPlan:
         self.block = max(1, min(BLOCK_WINDOWS, BLOCK_DOCS // self.k))  # windows read at once
         self._prefix: dict[tuple[int, int], int] = {}
         self._probes: dict = {}
-        self._counted: set[tuple[int, int]] = set()
+        self._counted: OrderedDict[int, bytearray] = OrderedDict()  # epoch → window marks
         self._last: tuple | None = None  # (first draw, end draw, WindowRows) of the last window
         self._pending: dict[tuple[int, int], Future] = {}
         self._ahead_busy = False
@@ -293,13 +323,15 @@ class PackedPlan:
             with self._lock:
                 self._remember((epoch, end), p0 + int(lengths.sum()))
         first, last = self.allotted(epoch, w, p0), self.allotted(epoch, end)
-        layout, num_cut = self.pack(docs, starts, lengths, last - first)
+        try:
+            layout, num_cut = self.pack(docs, starts, lengths, last - first)
+        except ConfigError as e:  # only under max_segments: say where
+            raise ConfigError(f"{self.store.path}: window {w} of epoch {epoch}: {e}") from None
         order = epoch_permutation(last - first, seed=self.seed, epoch=epoch,
                                   salt=int(hash_ints(_TAG, self.salt, w)))(
             np.arange(last - first))  # one Feistel pass a window, not one a batch
         with self._lock:
-            if (epoch, w) not in self._counted:  # counted once, however often it is packed
-                self._counted.add((epoch, w))
+            if self._first_time(epoch, w):  # counted once, however often it is packed
                 for name, n in (("windows_packed", 1), ("documents_packed", len(docs)),
                                 ("documents_cut", num_cut),
                                 ("num_truncated", layout.num_truncated)):
@@ -307,6 +339,17 @@ class PackedPlan:
                 self.counts["most_segments"] = max(self.counts["most_segments"],
                                                    layout.most_segments)
         return WindowRows(layout, first, order, num_cut)
+
+    def _first_time(self, epoch: int, w: int) -> bool:
+        """Whether window w of ``epoch`` is packed here for the first time (a mark per window of
+        the last two epochs: bounded, however long the run)."""
+        marks = self._counted.get(epoch)
+        if marks is None:
+            marks = self._counted[epoch] = bytearray(self.windows)
+            if len(self._counted) > 2:
+                self._counted.popitem(last=False)
+        first, marks[w] = not marks[w], 1
+        return first
 
     def _ahead(self, epoch: int, w: int) -> None:
         """Pack the window after w in a background thread, so that a loader reaching it finds
@@ -343,17 +386,31 @@ class PackedPlan:
         """β, in tokens: at least L (then a window is allotted more than (T - 1) / L rows, which
         always hold its documents cut as a stream, ``_stream``), and enough for the first
         SAMPLES windows of epoch 0 (one read of the indexes, which the first batch reads anyway)
-        to pack naturally, plus a margin."""
-        beta, w = self.seq_len, 0
-        while w < min(SAMPLES, self.num_windows()):
-            lengths = np.concatenate([self._raw(0, x)[2] for x in range(w, self._end(w))])
-            _, _, length = pack.pieces(lengths, self.seq_len)
-            rows = len(pack.place(length, self.capacity, self.cap)[1])
-            rows += int(np.ceil(rows * (MARGIN_CAPPED if self.cap else MARGIN)))
-            need = rows * self.seq_len - int(lengths.sum())  # floor((T + β·k) / L) >= rows
-            beta = max(beta, -(-need // (self._end(w) - w)))
-            w = self._end(w)
+        to pack naturally. Under max_segments no stream cut can mend a window short of rows, so
+        more windows are sampled and β adds Z_CAPPED standard deviations of what they needed."""
+        samples = self._samples()
+        needs = [self._beta_needed(w) for w in samples]
+        beta = max(self.seq_len, max(needs))
+        whole = [n for n, w in zip(needs, samples) if self._end(w) == w + 1]  # not a merged last
+        if self.cap is not None and len(whole) > 1:
+            beta += int(np.ceil(Z_CAPPED * np.std(whole)))
         return beta
+
+    def _samples(self) -> list[int]:
+        """The windows of epoch 0 that set β: the first SAMPLES, and under max_segments every
+        window of the first block (``_raw`` reads them in the same pass: no more reads)."""
+        n = self.num_windows()
+        return list(range(min(n, SAMPLES if self.cap is None else max(SAMPLES, self.block))))
+
+    def _beta_needed(self, w: int) -> int:
+        """Tokens of β that window w of epoch 0 needs to pack naturally, per raw window it
+        spans (the margin of MARGIN / MARGIN_CAPPED of its rows added)."""
+        lengths = np.concatenate([self._raw(0, x)[2] for x in range(w, self._end(w))])
+        _, _, length = pack.pieces(lengths, self.seq_len)
+        rows = len(pack.place(length, self.capacity, self.cap)[1])
+        rows += int(np.ceil(rows * (MARGIN_CAPPED if self.cap else MARGIN)))
+        need = rows * self.seq_len - int(lengths.sum())  # floor((T + β·k) / L) >= rows
+        return -(-need // (self._end(w) - w))
 
     # -- rows of draws ------------------------------------------------------------------------
 

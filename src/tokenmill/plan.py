@@ -34,7 +34,7 @@ from tokenmill.arrays import distinct
 from tokenmill.errors import ConfigError, StoreError, check_int, is_int
 from tokenmill.io import FileId, file_id, redact
 from tokenmill.mixture import Mixture, mixture_of
-from tokenmill.packplan import PACKING, PackedPlan
+from tokenmill.packplan import PackedPlan, packing_name
 from tokenmill.rows import RowFiller, as_slice, one_piece_starts
 from tokenmill.store.format import MANIFEST, read_manifest
 from tokenmill.store.reader import TokenStore
@@ -253,7 +253,7 @@ def fingerprint_of(sources: list[SampleSource], mix: Mixture, config: LayoutConf
     if config.document_masks:
         core["document_masks"] = True
     if config.layout == "packed":  # rows packed window by window: not the earlier whole-store rows
-        core["packing"] = PACKING
+        core["packing"] = packing_name(config.max_segments)
     return xxhash.xxh3_64_hexdigest(json.dumps(core, sort_keys=True).encode())
 
 

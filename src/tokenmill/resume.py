@@ -120,7 +120,10 @@ def differences(saved: Mapping[str, Any], now: Mapping[str, Any],
 
 def _packing_change(was: str, now: str) -> str:
     if was != LEGACY_PACKING:
-        return f"packing {was} → {now}"
+        return (f"packing {was} → {now}: the state was saved by a tokenmill that allotted packed "
+                "rows to windows differently, so the same step holds other rows — finish that "
+                "run with the tokenmill version that saved it, or start the data stream of a new "
+                "run here (a fresh Loader, no load_state_dict)")
     return ("packing: the state was saved by an earlier tokenmill whose packed layout was one "
             "index over the whole store, built by every rank; this version packs documents "
             f"window by window ({now}), so the same step holds other rows — finish that run with "

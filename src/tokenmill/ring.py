@@ -90,21 +90,21 @@ def refcounts(bufs: dict) -> list[int]:
 
 
 def memory_plan(*, seq_len: int, batch_size: int, layout: str = "concat", dtype: str = "int32",
-                prefetch: int = 2, num_documents: int = 0) -> dict[str, int]:
-    """Bytes the Loader's buffers take for a config: batch ring, and the packed layout if any.
+                prefetch: int = 2, packed_bytes: int = 0) -> dict[str, int]:
+    """Bytes the Loader's buffers take for a config: the batch ring, and ``packed_bytes`` (the
+    packed plan's windows, ``packplan.window_memory``) for the packed layout.
 
     memory_plan(seq_len=2048, batch_size=8, prefetch=2)["batch_ring"] == 2 * 8 * 2048 * 4 * 4
     """
     seq_len = check_int("seq_len", seq_len, minimum=1)  # -5 printed "-0.00 MiB", exit 0
     batch_size = check_int("batch_size", batch_size, minimum=1)
     prefetch = check_int("prefetch", prefetch, minimum=1)
-    num_documents = check_int("num_documents", num_documents, minimum=0)
+    packed_bytes = check_int("packed_bytes", packed_bytes, minimum=0)
     if layout not in ("concat", "packed"):
         raise ConfigError(f"layout must be 'concat' or 'packed' (got layout={layout!r})")
     per_row = seq_len * np.dtype(dtype).itemsize * 2
     if layout == "packed":
         per_row += seq_len * (4 + 4 + 1)  # segment_ids, positions, loss_mask
     ring = per_row * batch_size * (prefetch + 2)
-    # packed layout: row_ptr + (start, len, doc) per segment, about 1.1 segments per document
-    packed = int(num_documents * 1.1 * 24 + num_documents * 8) if layout == "packed" else 0
+    packed = packed_bytes if layout == "packed" else 0
     return {"batch_ring": ring, "packed_layout": packed, "total": ring + packed}
