@@ -45,7 +45,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tokenmill.integrations.ray",),
     ("tokenmill.prepare",),
     ("tokenmill.plan",),
-    ("tokenmill.resume", "tokenmill.provenance"),
+    ("tokenmill.resume", "tokenmill.provenance", "tokenmill.balanced"),
     ("tokenmill.streaming.*",),
     ("tokenmill.streaming",),
     ("tokenmill.workers",),

@@ -21,8 +21,8 @@ import numpy as np
 
 from tokenmill.errors import ConfigError, check_int
 
-__all__ = ["CostModel", "balance_rows", "full_row_bound", "imbalance", "rank_costs", "row_costs",
-           "row_segments"]
+__all__ = ["CostModel", "balance_rows", "cost_model_of", "full_row_bound", "imbalance", "rank_costs",
+           "row_costs", "row_segments"]
 
 REFINE_ROUNDS = 64  # pair swaps tried after the greedy deal: each lowers the heaviest rank
 REFINE_GAIN = 1e-4  # ... by at least this fraction of the mean rank cost (512 rows: 3.6 → 0.8 ms)
@@ -62,6 +62,21 @@ class CostModel:
         """float64 cost of each segment on its own."""
         n = np.asarray(lengths, dtype=np.float64)
         return self.a * n * n + self.b * n
+
+
+def cost_model_of(balance) -> CostModel | None:
+    """A Loader's ``balance`` setting as a CostModel: None (off), "attention" (``CostModel()``)
+    or a CostModel; else ConfigError.
+
+    cost_model_of("attention") == CostModel()
+    """
+    if balance is None or isinstance(balance, CostModel):
+        return balance
+    if isinstance(balance, str) and balance == "attention":
+        return CostModel()
+    raise ConfigError(f"balance must be None, 'attention' or a tokenmill.balance.CostModel (got "
+                      f"balance={balance!r}); e.g. balance='attention' for causal document-masked "
+                      "attention, CostModel.transformer(d_model) to count the linear layers too")
 
 
 def _rows(lengths, offsets) -> tuple[np.ndarray, np.ndarray]:

@@ -26,13 +26,15 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from tokenmill import pacing
+from tokenmill.balanced import balance_of, balanced_fingerprint, balanced_positions, described, \
+    step_balance
 from tokenmill.errors import ConfigError, StaleIterator, check_int
 from tokenmill.lifetime import Iteration, OneIterator, Pass
 from tokenmill.mixture import described_phases
 from tokenmill.options import LoaderOptions
 from tokenmill.pacing import Pacer
 from tokenmill.packplan import packing_name
-from tokenmill.plan import (STATE_VERSION, BatchPlan, LayoutConfig, batch_at, global_positions, resolve_rank)
+from tokenmill.plan import STATE_VERSION, BatchPlan, LayoutConfig, global_positions, resolve_rank
 from tokenmill.procs import resolve_workers, usable_cores
 from tokenmill.provenance import RowOrigin, explain_positions
 from tokenmill.ranks import CheckedFirst, agree
@@ -56,10 +58,12 @@ class Loader(OneIterator):
     ``for batch in Loader("store/", seq_len=2048, batch_size=8): ...``; batch k is the same for
     any num_workers, and ``load_state_dict(state_dict())`` resumes bit for bit. Less common
     settings are keywords too (``LoaderOptions``: prefetch, epochs, dtype, worker_type,
-    cache_dir, max_segments, document_masks, mixture). Named stores with
+    cache_dir, max_segments, document_masks, mixture, balance). Named stores with
     ``mixture=[(0, {"web": 0.9, "code": 0.1}), (80_000, {…})]`` change the mix at those global
     samples (docs/mixing.md). ``document_masks=True`` (concat) adds the documents' segment_ids,
     positions and loss_mask to each window (the Llama 3 recipe; docs/guide-torch.md).
+    ``balance="attention"`` deals each global batch's rows to the ranks by attention cost
+    (docs/balance.md).
 
     One live iterator: ``iter(loader)`` continues from ``consumed_samples``, and an iterator made
     before the last ``iter()``, ``load_state_dict()`` or ``close()`` raises ``StaleIterator`` at
@@ -81,6 +85,7 @@ class Loader(OneIterator):
         self.config = LayoutConfig(seq_len=seq_len, layout=layout, seed=seed,
                                    max_segments=opts.max_segments,
                                    document_masks=opts.document_masks)
+        self.balance = balance_of(opts.balance, self.config)  # None: plan order, as before
         self.batch_size = check_int("batch_size", batch_size, minimum=1)
         self.rank, self.world_size = resolve_rank(
             check_int("rank", rank, minimum=0, optional=True),
@@ -93,7 +98,8 @@ class Loader(OneIterator):
         self.prefetch = _resolve_prefetch(opts.prefetch, self.num_workers)
         self.plan = BatchPlan.open(source, self.config, dtype=opts.dtype, mixture=opts.mixture)
         self._finalizer = weakref.finalize(self, _shutdown, None)
-        self.weights, self.fingerprint = self.plan.weights, self.plan.fingerprint
+        self.weights = self.plan.weights
+        self.fingerprint = balanced_fingerprint(self.plan.fingerprint, self.balance)
         self.samples_per_epoch = self.plan.samples_per_epoch
         if self.samples_per_epoch < self.global_batch_size:
             self.plan.close()
@@ -148,13 +154,18 @@ class Loader(OneIterator):
 
     def positions(self, consumed: int) -> np.ndarray:
         """This rank's global sample positions of the step that starts at ``consumed``."""
+        if self.balance is not None:
+            return balanced_positions(self.plan, consumed, batch_size=self.batch_size,
+                                      rank=self.rank, world_size=self.world_size,
+                                      model=self.balance)
         return global_positions(consumed, batch_size=self.batch_size, rank=self.rank,
                                 world_size=self.world_size)
 
     def batch_at(self, consumed: int, out: dict[str, np.ndarray] | None = None) -> dict:
         """The batch of the step starting at global sample ``consumed`` (pure; for tests/tools)."""
-        return batch_at(self.plan, consumed, batch_size=self.batch_size, rank=self.rank,
-                        world_size=self.world_size, out=out)
+        out = self.plan.new_buffers(self.batch_size) if out is None else out
+        self.plan.fill(self.positions(consumed), out)
+        return out
 
     def explain(self, step: int) -> list[RowOrigin]:
         """Where each row of this rank's batch at ``step`` (of this loader's batch size) came from:
@@ -324,7 +335,15 @@ class Loader(OneIterator):
         else:
             info = {"mode": "ahead", "why": f"num_workers={self.num_workers} given"}
         return {**info, "workers": self.num_workers, "worker_type": self.worker_type,
-                "prefetch": self.prefetch}
+                "prefetch": self.prefetch, **({"balance": self._balance_stats()} if self.balance
+                                              else {})}
+
+    def _balance_stats(self) -> dict[str, Any]:
+        """The last step handed out (else the first): max / mean cost across ranks, balanced and
+        in plan order (``balanced.step_balance``)."""
+        gb = self.global_batch_size
+        return step_balance(self.plan, max(0, self._consumed - gb), batch_size=self.batch_size,
+                            world_size=self.world_size, model=self.balance)
 
     def _tune(self, waited: float, now: float) -> None:
         """prefetch="auto": one batch deeper whenever a window of steps waited over 1% of its
@@ -393,7 +412,8 @@ class Loader(OneIterator):
                 "world_size": self.world_size, "num_workers": self.num_workers,
                 **({"packing": packing_name(config.max_segments)} if config.layout == "packed"
                    else {}),
-                **({"document_masks": True} if config.document_masks else {})}
+                **({"document_masks": True} if config.document_masks else {}),
+                **({"balance": described(self.balance)} if self.balance else {})}
 
     def resume_report(self, state: Mapping[str, Any]) -> list[Difference]:
         """How ``state`` and this loader differ (``Difference(what, safe)``, unsafe first); a

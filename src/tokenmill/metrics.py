@@ -330,13 +330,17 @@ class Meter:
         """The one-line report, e.g.
         ``step 1200 | 48,300 tok/s | data wait 2.1% | p99 wait 1.2 ms | compute-bound``.
 
-        With a ModelCost that knows the peak, ``| MFU 41.3%`` comes before the verdict.
+        With a ModelCost that knows the peak, ``| MFU 41.3%`` comes before the verdict; with a
+        balanced Loader, ``| balance 1.004 (unbalanced 1.310)``: the last step's max / mean
+        cost across ranks.
         """
         s = self.summary()
         line = (f"step {s['steps']} | {s['tokens_per_s']:,.0f} tok/s | data wait "
                 f"{s['data_wait_pct']:.1f}% | p99 wait {s['wait_p99_ms']:,.1f} ms")
         if s["mfu"] is not None:
             line += f" | MFU {100 * s['mfu']:.1f}%"
+        if (b := (s["loader"] or {}).get("balance")) is not None:  # Loader(balance=…)
+            line += f" | balance {b['max_mean']:.3f} (unbalanced {b['unbalanced_max_mean']:.3f})"
         return f"{line} | {s['verdict']}"
 
 

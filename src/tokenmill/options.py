@@ -29,6 +29,7 @@ class LoaderOptions:
     document_masks: bool = False  # concat: segment_ids, positions, loss_mask by document
     # named stores: [(first global sample, {name: weight}), …] phases (docs/mixing.md)
     mixture: Sequence | None = None
+    balance: Any = None  # "attention" or a balance.CostModel: ranks' rows dealt by cost
 
     def __post_init__(self):  # frozen: the ints are made plain ints once, here
         if self.prefetch != "auto":

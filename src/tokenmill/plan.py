@@ -30,7 +30,7 @@ import numpy as np
 import xxhash
 
 from tokenmill import pack, sampler
-from tokenmill.arrays import distinct
+from tokenmill.arrays import by_value, distinct
 from tokenmill.errors import ConfigError, StoreError, check_int, is_int
 from tokenmill.io import FileId, file_id, redact
 from tokenmill.mixture import Mixture, mixture_of
@@ -407,9 +407,10 @@ class BatchPlan:
             sid, addr, _ = self._block(b)
             lo = first - b * self.BLOCK
             return sid[lo:lo + len(positions)], addr[lo:lo + len(positions)]
-        blocks = positions // self.BLOCK
-        parts = [self.resolve(positions[blocks == b]) for b in distinct(blocks)]
-        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        out = np.empty((2, len(positions)), np.int64)  # any order, e.g. a balanced rank's
+        for b, at in by_value(positions // self.BLOCK):
+            out[0, at], out[1, at] = (x[positions[at] - b * self.BLOCK] for x in self._block(b)[:2])
+        return out[0], out[1]
 
     def _block(self, b: int) -> tuple[np.ndarray, np.ndarray, list[int] | None]:
         """Store ids, addresses and (one store) row starts of the positions of block ``b``."""

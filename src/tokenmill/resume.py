@@ -106,6 +106,10 @@ def differences(saved: Mapping[str, Any], now: Mapping[str, Any],
     masks = saved.get("document_masks", False), now.get("document_masks", False)
     if masks[0] != masks[1]:  # recorded only when on
         out.append(Difference(f"document_masks {masks[0]} → {masks[1]}", False))
+    bal = saved.get("balance"), now.get("balance")
+    if bal[0] != bal[1]:  # recorded only when on: which rows each rank takes
+        out.append(Difference(f"balance {bal[0] or 'off'} → {bal[1] or 'off'} (cost model [a, b] "
+                              "of the ranks' deal; resume with the run's balance setting)", False))
     if saved.get("layout") == now.get("layout") == "packed" and \
             saved.get("packing", LEGACY_PACKING) != now.get("packing"):
         out.append(Difference(_packing_change(saved.get("packing", LEGACY_PACKING),
