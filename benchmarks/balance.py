@@ -13,11 +13,21 @@ With 2-way context parallelism inside each rank the same ratio is over the world
 ignores documents) against balanced rows split per document head–tail (``cpsplit.cp_pairs``).
 
     PYTHONPATH=src python benchmarks/balance.py --store /tmp/realstore [--per 4,16] [--steps 1000]
+
+``--mode loader`` measures through the Loader instead: ``world`` Loaders (ranks 0 … world−1 of
+``Loader(store, layout="packed", balance=…)``) each hand out their batch of a step, and the cost
+of each rank's batch is read from its segment_ids; max / mean over the ranks per step, median and
+p99, balance off (plan order) against on. Then the Loader's CPU per batch (``time.thread_time``
+of rank 0's ``next()``, inline: num_workers=0), balance on and off interleaved ``--rounds`` times
+``--batches`` each; the medians.
+
+    PYTHONPATH=src python benchmarks/balance.py --mode loader --store /tmp/realstore --per 4
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import numpy as np
@@ -90,16 +100,76 @@ def measure(rows: list[np.ndarray], world: int, per: int, steps: int, seq_len: i
     return res
 
 
+def ranks(store: str, args, per: int, balance) -> list[Loader]:
+    """One Loader a simulated rank (inline: the batches are the same for any num_workers)."""
+    return [Loader(store, seq_len=args.seq_len, batch_size=per, layout="packed", seed=0, rank=r,
+                   world_size=args.world, num_workers=0, balance=balance)
+            for r in range(args.world)]
+
+
+def through_loader(store: str, args, per: int, balance) -> list[float]:
+    """Per step, max / mean over the ranks of the cost of the batch each rank's Loader handed
+    out (read from its segment_ids)."""
+    loaders = ranks(store, args, per, balance)
+    its = [iter(ld) for ld in loaders]
+    out = [imbalance([row_costs(*row_segments(next(it)["segment_ids"])).sum() for it in its])
+           for _ in range(args.steps)]
+    for ld in loaders:
+        ld.close()
+    return out
+
+
+def cpu_per_batch(store: str, args, per: int) -> dict[str, float]:
+    """Median µs of thread CPU a batch of rank 0's Loader, balance off and on, interleaved."""
+    its = {name: iter(ranks(store, args, per, bal)[0]) for name, bal in
+           (("off", None), ("on", "attention"))}
+    for it in its.values():
+        next(it)
+    took = {name: [] for name in its}
+    for _ in range(args.rounds):
+        for name, it in its.items():
+            t0 = time.thread_time()
+            for _ in range(args.batches):
+                next(it)
+            took[name].append((time.thread_time() - t0) / args.batches * 1e6)
+    return {name: statistics.median(v) for name, v in took.items()}
+
+
+def loader_mode(args, pers: list[int]) -> None:
+    """Print the through-the-Loader table and the CPU per batch."""
+    print(f"seq_len {args.seq_len}, {args.world} ranks, {args.steps} steps through the Loader; "
+          "max/mean cost across ranks, median / p99\n")
+    print("| rows/rank | balance off | balance on |\n|---|---|---|")
+    for per in pers:
+        cells = []
+        for bal in (None, "attention"):
+            v = through_loader(args.store, args, per, bal)
+            cells.append(f"{np.median(v):.3f} / {np.percentile(v, 99):.3f}")
+        print(f"| {per} | {' | '.join(cells)} |")
+    print(f"\nCPU per batch (thread_time, rank 0, inline; median of {args.rounds} interleaved "
+          f"rounds of {args.batches} batches)\n\n| rows/rank | balance off µs | balance on µs |"
+          "\n|---|---|---|")
+    for per in pers:
+        us = cpu_per_batch(args.store, args, per)
+        print(f"| {per} | {us['off']:.0f} | {us['on']:.0f} |")
+
+
 def main() -> None:
     """Print a markdown table: corpus × rows a rank, each figure median / p99 over the steps."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--store", default="/tmp/realstore")
+    ap.add_argument("--mode", choices=("pure", "loader"), default="pure")
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--per", default="4,16", help="rows a rank a step, comma-separated")
     ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=9, help="loader mode: CPU rounds")
+    ap.add_argument("--batches", type=int, default=50, help="loader mode: batches a round")
     args = ap.parse_args()
     pers = [int(x) for x in args.per.split(",")]
+    if args.mode == "loader":
+        loader_mode(args, pers)
+        return
     need = args.world * max(pers) * args.steps
     sets = {"real": real_rows(args.store, args.seq_len, need),
             "lognormal": synthetic_rows(args.seq_len, need)}

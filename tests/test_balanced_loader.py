@@ -193,3 +193,11 @@ def test_the_plan_resolves_positions_in_any_order_across_blocks(stores):
         sid, addr = plan.resolve(pos)
         assert sid.tolist() == [int(s[0]) for s, _ in one]
         assert addr.tolist() == [int(a[0]) for _, a in one]
+
+
+def test_the_balance_guide_runs_as_a_script(tmp_path):
+    """docs/balance.md: a balanced run across 4 ranks, checked, resumed on 2, refused unbalanced."""
+    from conftest import run_guide
+    done = run_guide("balance.md", tmp_path)
+    assert done.stdout.strip().endswith("ok")
+    assert "resumed on 2 ranks at step 5" in done.stdout
