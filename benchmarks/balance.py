@@ -18,8 +18,8 @@ ignores documents) against balanced rows split per document head–tail (``cpspl
 ``Loader(store, layout="packed", balance=…)``) each hand out their batch of a step, and the cost
 of each rank's batch is read from its segment_ids; max / mean over the ranks per step, median and
 p99, balance off (plan order) against on. Then the Loader's CPU per batch (``time.thread_time``
-of rank 0's ``next()``, inline: num_workers=0), balance on and off interleaved ``--rounds`` times
-``--batches`` each; the medians.
+of every rank's ``next()`` for the same steps, inline: num_workers=0, per batch), balance on and
+off interleaved ``--rounds`` times ``--batches`` steps each; the medians.
 
     PYTHONPATH=src python benchmarks/balance.py --mode loader --store /tmp/realstore --per 4
 """
@@ -120,18 +120,21 @@ def through_loader(store: str, args, per: int, balance) -> list[float]:
 
 
 def cpu_per_batch(store: str, args, per: int) -> dict[str, float]:
-    """Median µs of thread CPU a batch of rank 0's Loader, balance off and on, interleaved."""
-    its = {name: iter(ranks(store, args, per, bal)[0]) for name, bal in
+    """Median µs of thread CPU a batch of a rank's Loader (every rank's batches of the same
+    steps: together they read the same rows either way), balance off and on, interleaved."""
+    its = {name: [iter(ld) for ld in ranks(store, args, per, bal)] for name, bal in
            (("off", None), ("on", "attention"))}
-    for it in its.values():
-        next(it)
+    for group in its.values():
+        for it in group:
+            next(it)
     took = {name: [] for name in its}
     for _ in range(args.rounds):
-        for name, it in its.items():
+        for name, group in its.items():
             t0 = time.thread_time()
             for _ in range(args.batches):
-                next(it)
-            took[name].append((time.thread_time() - t0) / args.batches * 1e6)
+                for it in group:
+                    next(it)
+            took[name].append((time.thread_time() - t0) / (args.batches * len(group)) * 1e6)
     return {name: statistics.median(v) for name, v in took.items()}
 
 
@@ -140,13 +143,13 @@ def loader_mode(args, pers: list[int]) -> None:
     print(f"seq_len {args.seq_len}, {args.world} ranks, {args.steps} steps through the Loader; "
           "max/mean cost across ranks, median / p99\n")
     print("| rows/rank | balance off | balance on |\n|---|---|---|")
-    for per in pers:
+    for per in pers if not args.cpu_only else []:
         cells = []
         for bal in (None, "attention"):
             v = through_loader(args.store, args, per, bal)
             cells.append(f"{np.median(v):.3f} / {np.percentile(v, 99):.3f}")
         print(f"| {per} | {' | '.join(cells)} |")
-    print(f"\nCPU per batch (thread_time, rank 0, inline; median of {args.rounds} interleaved "
+    print(f"\nCPU per batch (thread_time, all ranks, inline; median of {args.rounds} interleaved "
           f"rounds of {args.batches} batches)\n\n| rows/rank | balance off µs | balance on µs |"
           "\n|---|---|---|")
     for per in pers:
@@ -164,7 +167,8 @@ def main() -> None:
     ap.add_argument("--per", default="4,16", help="rows a rank a step, comma-separated")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=9, help="loader mode: CPU rounds")
-    ap.add_argument("--batches", type=int, default=50, help="loader mode: batches a round")
+    ap.add_argument("--batches", type=int, default=20, help="loader mode: steps a round")
+    ap.add_argument("--cpu-only", action="store_true", help="loader mode: the CPU figures only")
     args = ap.parse_args()
     pers = [int(x) for x in args.per.split(",")]
     if args.mode == "loader":
