@@ -352,19 +352,15 @@ def export(store: str | os.PathLike, *, out: str | os.PathLike, format: str,
 
 
 def check_split(store, sides: dict[str, str]) -> None:
-    """Refuse a split folder whose train/ and val/ are not the two sides of one split (the same
-    fraction, each holding what the other held out) made with one tokenizer: train.bin and
-    val.bin would mean different ids, or share documents."""
+    """Refuse a split folder whose train/ and val/ are not the two sides of one split made with
+    one tokenizer (val.bin's ids would mean other tokens, or documents be in both files)."""
     with TokenStore(sides["train"], verify="off") as t, TokenStore(sides["val"], verify="off") as v:
         check_tokenizers([t, v])
-        got = {"train": split_of(t.manifest), "val": split_of(v.manifest)}
-        if any(not g or g["side"] != side for side, g in got.items()) or \
-                got["train"]["fraction"] != got["val"]["fraction"]:
-            said = ", ".join(f"{side}/ is " + (f"the {g['side']} side of a split of fraction "
-                                               f"{g['fraction']:g}" if g else "no side of a split")
-                             for side, g in got.items())
+        got = [(g or {}).get(k) for g in map(split_of, (t.manifest, v.manifest))
+               for k in ("side", "fraction")]
+        if got[0] != "train" or got[2] != "val" or got[1] != got[3]:
             raise ConfigError(f"{store}: its train/ and val/ are not the two sides of one split "
-                              f"({said}); prepare both with one --val-fraction run")
+                              f"(sides and fractions: {got}); prepare both with one --val-fraction run")
         check_accounts(t.manifest, v.manifest)
 
 
