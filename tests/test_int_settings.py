@@ -125,6 +125,19 @@ def test_prepare_takes_numpy_integers_and_writes_the_same_store(text, tmp_path):
         prepare([str(text)], out=tmp_path / "c", progress=False, shard_tokens=True)
 
 
+
+@pytest.mark.parametrize("width", [np.float16, np.float32, np.float64])
+def test_prepare_takes_a_numpy_float_val_fraction_and_writes_the_same_split(text, tmp_path, width):
+    """val_fraction=np.float32(0.25) (a value read from a numpy config) is the fraction 0.25:
+    it was refused as "must be a number between 0 and 1"."""
+    prepare([str(text)], out=tmp_path / "a", workers=1, progress=False, val_fraction=0.25)
+    prepare([str(text)], out=tmp_path / "b", workers=1, progress=False,
+            val_fraction=width(0.25))
+    for side in ("train", "val"):
+        assert store_bytes(tmp_path / "a" / side) == store_bytes(tmp_path / "b" / side)
+    with pytest.raises(ConfigError, match=r"val_fraction must be a number between 0 and 1"):
+        prepare([str(text)], out=tmp_path / "c", progress=False, val_fraction=np.bool_(True))
+
 def test_the_command_line_refuses_a_seed_past_64_bits_in_one_line(store):
     done = subprocess.run([sys.executable, "-m", "tokenmill", "explain", str(store), "--seq-len",
                            str(L), "--batch-size", "2", "--step", "0", "--seed", str(2**64),

@@ -499,3 +499,25 @@ def test_export_to_a_folder_it_cannot_make_is_a_clear_error(prepared, tmp_path):
     info = export(prepared[0], out=tmp_path / "new" / "dir" / "x.bin", format="nanogpt",
                   progress=False)  # a missing folder is made
     assert info["bytes"] == 2 * info["tokens"] and sorted(os.listdir(tmp_path / "new" / "dir")) == ["meta.pkl", "x.bin"]
+
+
+def test_export_of_a_split_folder_whose_sides_do_not_belong_together_is_refused(tmp_path, bpe_tokenizer):
+    """A folder holding train/ and val/ that are not the two sides of one split: made with two
+    tokenizers (val.bin's ids would mean other tokens than meta.pkl's vocabulary), or with two
+    fractions (documents in both train.bin and val.bin): one line naming the folder, no file."""
+    texts = [f"document {i}: " + "lorem ipsum " * (i % 7) for i in range(200)]
+    write_jsonl(tmp_path / "c.jsonl", texts)
+    for name, train, val in (("tok", dict(tokenizer=bpe_tokenizer), dict(tokenizer="bytes")),
+                             ("frac", dict(holdout=("train", 0.1)), dict(holdout=("val", 0.3)))):
+        for side, kw in (("train", train), ("val", val)):
+            kw = {"tokenizer": "bytes", "holdout": (side, 0.2), **kw}
+            prepare(str(tmp_path / "c.jsonl"), out=tmp_path / name / side, workers=1,
+                    progress=False, **kw)
+        r = subprocess.run([sys.executable, "-m", "tokenmill", "export", str(tmp_path / name),
+                            "--format", "nanogpt", "--out", str(tmp_path / f"{name}-out")],
+                           capture_output=True, text=True)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and str(tmp_path / name) in r.stderr
+        assert ("different tokenizers" if name == "tok" else "not the two sides of one split") \
+            in r.stderr
+        assert not (tmp_path / f"{name}-out").exists()

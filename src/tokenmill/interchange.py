@@ -54,7 +54,8 @@ import xxhash
 
 from tokenmill.errors import ConfigError, InputError, StoreError, TokenizerError
 from tokenmill.io import atomic_output, is_url, redact, xxh3_file
-from tokenmill.prepare.split import split_sides
+from tokenmill.plan import check_tokenizers
+from tokenmill.prepare.split import check_accounts, split_of, split_sides
 from tokenmill.store import (IDX_HEADER, IDX_MAGIC, IDX_VERSION, MANIFEST, DTYPE_CODES, ShardInfo,
                              TokenStore, atomic_write_bytes, atomic_write_json, build_manifest,
                              idx_bytes, read_idx, shard_name)
@@ -338,6 +339,8 @@ def export(store: str | os.PathLike, *, out: str | os.PathLike, format: str,
                           "val.bin into one folder; --out names that folder (e.g. data/mydata)")
     if not sides and out.is_dir():
         raise ConfigError(f"{out}: is a directory; --out names the file to write")
+    if sides:
+        check_split(store, sides)
     targets = {out / f"{k}.bin": p for k, p in sides.items()} if sides else {out: store}
     done = [_export_file(p, f, format, tokenizer, progress) for f, p in targets.items()]
     files = [str(f) for f in targets]
@@ -346,6 +349,19 @@ def export(store: str | os.PathLike, *, out: str | os.PathLike, format: str,
         atomic_write_bytes(files[-1], pickle.dumps({"vocab_size": done[0]["vocab_size"]}))
     total = {k: sum(d[k] for d in done) for k in ("documents", "tokens", "bytes")}
     return {"format": format, "out": str(out), **total, "files": files}
+
+
+def check_split(store, sides: dict[str, str]) -> None:
+    """Refuse a split folder whose train/ and val/ are not the two sides of one split made with
+    one tokenizer (val.bin's ids would mean other tokens, or documents be in both files)."""
+    with TokenStore(sides["train"], verify="off") as t, TokenStore(sides["val"], verify="off") as v:
+        check_tokenizers([t, v])
+        got = [(g or {}).get(k) for g in map(split_of, (t.manifest, v.manifest))
+               for k in ("side", "fraction")]
+        if got[0] != "train" or got[2] != "val" or got[1] != got[3]:
+            raise ConfigError(f"{store}: its train/ and val/ are not the two sides of one split "
+                              f"(sides and fractions: {got}); prepare both with one --val-fraction run")
+        check_accounts(t.manifest, v.manifest)
 
 
 def _export_file(store, out: Path, format: str, tokenizer, progress) -> dict:

@@ -17,6 +17,7 @@ fraction (``settings.holdout``) and how many documents went to the other side: t
 
 from __future__ import annotations
 
+import numbers
 import os
 import posixpath
 from collections.abc import Sequence
@@ -50,7 +51,8 @@ def check_holdout(holdout) -> tuple[str, float] | None:
 
 def check_fraction(fraction) -> float:
     """``fraction`` if it is a number strictly between 0 and 1, else a ConfigError."""
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or \
+    # numbers.Real: numpy floats of every width too (np.float32(0.1) is a fraction, as 0.1 is)
+    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or \
             not 0 < fraction < 1:
         raise ConfigError(f"val_fraction must be a number between 0 and 1, exclusive (got "
                           f"{fraction!r}); e.g. --val-fraction 0.005 holds out 0.5% of documents")
