@@ -297,6 +297,66 @@ def test_csv_header_only_and_binary_are_file_problems(tmp_path):
     assert [(s.where, s.reason) for s in got] == [("file", "binary_file"), ("file", "empty_file")]
 
 
+# ---- a JSON key named twice --------------------------------------------------------------------
+
+TWICE = '{"text": "first", "text": "second"}'  # json.loads and orjson keep "second" silently
+# not twice: "text" nested, or in a value (escaped quotes), or another key twice (not read)
+NOT_TWICE = ['{"text": "a \\"text\\" b", "meta": {"text": "c"}}', '{"id": 1, "id": 2, "text": "d"}']
+
+
+def _twice_file(tmp_path, layout: str) -> Path:
+    """Record 2 of 4 names "text" twice, as JSON Lines (.jsonl, .json, .jsonl.gz) or an array."""
+    import gzip
+    records = [NOT_TWICE[0], TWICE, NOT_TWICE[1], '{"text": "last"}']
+    if layout == "array":
+        path = tmp_path / "data.json"
+        path.write_text("[\n" + ",\n".join(records) + "\n]\n")
+    else:
+        path = tmp_path / f"data.{layout}"
+        data = "".join(r + "\n" for r in records).encode()
+        path.write_bytes(gzip.compress(data) if layout.endswith(".gz") else data)
+    return path
+
+
+@pytest.mark.parametrize("transform", [False, True])
+@pytest.mark.parametrize("layout", ["jsonl", "json", "jsonl.gz", "array"])
+def test_a_text_key_named_twice_is_refused_or_skipped_never_one_kept(tmp_path, layout, transform):
+    path = _twice_file(tmp_path, layout)
+    (tmp_path / "twice_fn.py").write_text("def text(record):\n    return record['text']\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    more = ("--transform", "twice_fn:text") if transform else ()
+    where = "element 2" if layout == "array" else "line 2"
+    err = refused(path, *more, cwd=tmp_path, env=env)
+    place = f"{path}, {where}" if layout == "array" else f"{path}:2"
+    assert f"{place}: malformed JSON (key 'text' is named twice, and a JSON reader keeps one " \
+           "of the two values silently: remove or rename one)" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    if transform:  # a transform gets the record whole: a key twice anywhere in it is refused
+        for n, record in enumerate(NOT_TWICE[1:]):
+            (tmp_path / f"other{n}.jsonl").write_text(record + "\n")
+            err = refused(tmp_path / f"other{n}.jsonl", *more, cwd=tmp_path, env=env)
+            assert "malformed JSON (key 'id' is named twice" in err, err
+        return
+    got = prepared(path, "--on-error", "skip", cwd=tmp_path, env=env)
+    assert got == ['a "text" b', "d", "last"]
+    manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
+    assert manifest["skipped"]["by_reason"] == {"malformed_json": 1}
+    assert [e["where"] for e in manifest["skipped"]["examples"]] == [where]
+
+
+def test_each_joined_text_key_named_twice_is_refused(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"title": "t", "body": "b1", "body": "b2"}\n')
+    err = refused(path, "--text-key", "title,body", cwd=tmp_path)
+    assert f"{path}:1: malformed JSON (key 'body' is named twice" in err, err
+    path = tmp_path / "data.json"
+    path.write_text('[{"title": "t", "title": "u", "body": "b"}]')
+    err = refused(path, "--text-key", "title,body", cwd=tmp_path)
+    assert f"{path}, element 1: malformed JSON (key 'title' is named twice" in err, err
+    (tmp_path / "ok.jsonl").write_text('{"title": "t", "body": "b", "x": 1, "x": 2}\n')
+    assert prepared(tmp_path / "ok.jsonl", "--text-key", "title,body", cwd=tmp_path) == ["t\n\nb"]
+
+
 # ---- folders holding several splits: DatasetDict, Hub layouts ---------------------------------
 
 def test_dataset_dict_needs_split(tmp_path):

@@ -10,7 +10,8 @@ parallel). An array is one unit per file, parsed one element at a time
 (``json.JSONDecoder.raw_decode`` over a buffer of 1 MiB reads, doubled while an element does not
 fit): memory holds one element and a read, never the whole file. A malformed element is one
 problem, ``element N`` (1-based) with its byte offset: its end is found by scanning strings and
-brackets (``_extent``), and the elements after it are read. Where the elements after a place
+brackets (``_extent``), and the elements after it are read. An element naming a key twice is
+malformed as a line of JSON Lines is (``jsonl.named_twice``). Where the elements after a place
 cannot be told apart (a missing ',', brackets that do not match, text after the array) the file
 fails with an InputError under either policy, naming the element and the byte: nothing after it
 is dropped silently.
@@ -47,7 +48,7 @@ from collections.abc import Iterator
 from tokenmill import records
 from tokenmill.errors import InputError
 from tokenmill.io import open_binary
-from tokenmill.jsonl import NOT_JSON_LINES, kind, one_value
+from tokenmill.jsonl import NOT_JSON_LINES, decode_checked, kind, named_twice, one_value
 from tokenmill.textfields import joined
 from tokenmill.readers import plan_ranges
 from tokenmill.records import Doc, Record, Report, Skip, SourceConfig, Unit, not_text
@@ -245,6 +246,7 @@ def read_json_array(path: str, config: SourceConfig, report: Report) -> Iterator
     """The documents of a file holding one JSON array of objects: field text_key of each
     (``config.records``: each object whole, checked the same way)."""
     key = config.text_key
+    keys = None if config.records else (key,) if isinstance(key, str) else key
     with open_binary(path, config.storage_options) as f:
         buf = _Buffer(f)
         for n, value in enumerate(_elements(buf, path), 1):
@@ -253,6 +255,8 @@ def read_json_array(path: str, config: SourceConfig, report: Report) -> Iterator
                              value.detail)
                 if value.last:
                     return
+            elif twice := named_twice(value, buf.found, keys):
+                yield report(f"element {n}", "malformed_json", twice)
             elif config.records and isinstance(value, dict):
                 error = buf.dirty and _fields_not_utf8(value)
                 yield report(f"element {n}", "invalid_utf8", error) if error else \
@@ -327,6 +331,7 @@ class _Buffer:
         self.f, self.text, self.pos, self.eof = f, "", 0, False
         self.read = 0
         self.dirty = False  # bytes that were not UTF-8 were read (decoded with surrogateescape)
+        self.found: list = []  # the objects of the last element naming a key twice (named_twice)
         self.decoder = codecs.getincrementaldecoder("utf-8-sig")()
 
     def more(self) -> bool:
@@ -401,11 +406,10 @@ def _elements(buf: _Buffer, path: str) -> Iterator[object]:
 def _element(buf: _Buffer, path: str, n: int) -> object:
     """Element n at buf.pos (reading more until it is whole), buf.pos moved past it; a
     _Malformed, buf.pos past it, when it does not parse."""
-    decode = json.JSONDecoder().raw_decode
     end = None  # where the element ends (the ',' or ']' after it), once it had to be found
     while True:
         try:
-            value, stop = decode(buf.text, buf.pos)
+            value, stop, buf.found = decode_checked(buf.text, buf.pos)
             # a number may go on in the next read ("0" of "0.5"): whole once a character that
             # cannot continue it follows
             if isinstance(value, (dict, list, str)) or buf.eof or (
