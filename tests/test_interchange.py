@@ -521,3 +521,55 @@ def test_export_of_a_split_folder_whose_sides_do_not_belong_together_is_refused(
         assert ("different tokenizers" if name == "tok" else "not the two sides of one split") \
             in r.stderr
         assert not (tmp_path / f"{name}-out").exists()
+
+
+# ---- a manifest that lies about the vocabulary (issue 22.5, red team round 2) -------------------
+
+def _lie_about_vocab(store: Path, vocab: int) -> None:
+    """Edit the manifest's tokenizer vocab_size as a tool would: fingerprint and checksum redone."""
+    from tokenmill.store import atomic_write_json, manifest_checksum, store_fingerprint
+    m = json.loads((store / "manifest.json").read_text())
+    m["tokenizer"]["vocab_size"] = vocab
+    m["fingerprint"] = store_fingerprint(m)
+    m["manifest_xxh3"] = manifest_checksum(m)
+    atomic_write_json(store / "manifest.json", m)
+
+
+def _tokenmill(*args, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tokenmill", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300, check=False,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "int32"])
+def test_a_manifest_lying_about_vocab_size_fails_verify_and_export_naming_shard_and_id(tmp_path, dtype):
+    store = tmp_path / "store"
+    if dtype == "uint16":  # prepared: bytes of the text, EOS 256, vocab 258
+        (tmp_path / "in.jsonl").write_text('{"text": "abc"}\n{"text": "hello world"}\n')
+        assert _tokenmill("prepare", "in.jsonl", "--out", store, "--tokenizer", "bytes",
+                          cwd=tmp_path).returncode == 0
+    else:  # a Megatron dataset of int32 ids imported as it is
+        p = write_megatron(tmp_path / "m", [list(b"abc") + [256], list(b"hello world") + [256]],
+                           [0, 1, 2], dtype=np.int32)
+        import_megatron(p, out=store, tokenizer="bytes", progress=False)
+    assert TokenStore(store, verify="off").dtype == np.dtype(dtype)
+    assert _tokenmill("verify", store, cwd=tmp_path).returncode == 0
+    _lie_about_vocab(store, 200)  # the text's bytes fit, EOS (256, token 3) does not
+    r = _tokenmill("verify", store, cwd=tmp_path)
+    assert r.returncode == 1, r.stdout
+    assert r.stdout.splitlines()[0] == (f"BAD  {store}/shard-00000.bin: token 3 is id 256, not "
+                                        "below the manifest's tokenizer vocab_size 200 (an edited "
+                                        "manifest, or another tokenizer's ids)"), r.stdout
+    r = _tokenmill("export", store, "--format", "nanogpt", "--out", tmp_path / "out" / "train.bin",
+                   cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"tokenmill export: error: {store}/shard-00000.bin: token 3 is id "
+                               "256, not below the manifest's vocab_size 200"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []  # no meta.pkl
+    _lie_about_vocab(store, 258)  # the truth again: both pass
+    assert _tokenmill("verify", store, cwd=tmp_path).returncode == 0
+    r = _tokenmill("export", store, "--format", "nanogpt", "--out", tmp_path / "out" / "train.bin",
+                   cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert pickle.loads((tmp_path / "out" / "meta.pkl").read_bytes()) == {"vocab_size": 258}

@@ -499,3 +499,29 @@ def test_a_loader_over_a_manifest_that_lies_about_counts_refuses_naming_the_shar
         assert line.startswith(f"{layout} raised StoreError: {named}"), r.stdout[:2000]
         assert "tokenmill verify" in line
     assert verify_store(store)  # verify finds it too
+
+
+@pytest.mark.parametrize("edit", ["fingerprint", "eos_id"])
+def test_verify_recomputes_the_fingerprint(prepared_store, tmp_path, edit):
+    """A manifest whose fingerprint no longer matches its tokenizer, dtype and shard checksums
+    (edited, checksum recomputed): resume states and caches keyed on it would trust it."""
+    store = tmp_path / "store"
+    store.mkdir()
+    for p in prepared_store.iterdir():
+        (store / p.name).write_bytes(p.read_bytes())
+    m = json.loads((store / "manifest.json").read_text())
+    honest = m["fingerprint"]
+    if edit == "fingerprint":
+        m["fingerprint"] = "0123456789abcdef"
+    else:
+        m["tokenizer"]["eos_id"] += 1
+    m["manifest_xxh3"] = manifest_checksum(m)
+    atomic_write_json(store / "manifest.json", m)
+    r = subprocess.run([sys.executable, "-m", "tokenmill", "verify", str(store)],
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 1, r.stdout
+    got, want = (("0123456789abcdef", honest) if edit == "fingerprint" else
+                 (honest, tokenmill.store.store_fingerprint(m)))
+    assert r.stdout.splitlines()[0] == (
+        f"BAD  {store}/manifest.json: fingerprint {got!r}, but its tokenizer, dtype and shard "
+        f"checksums give {want!r} (damaged, or edited)"), r.stdout

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["by_value", "distinct", "exclusive_cumsum", "ranges"]
+__all__ = ["by_value", "distinct", "exclusive_cumsum", "first_outside", "ranges"]
 
 
 def exclusive_cumsum(a: np.ndarray) -> np.ndarray:
@@ -54,3 +54,13 @@ def by_value(values: np.ndarray) -> list[tuple[int, np.ndarray]]:
     cuts = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
     return [(int(ordered[a]), order[a:b]) for a, b in
             zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [len(order)])).tolist())]
+
+
+def first_outside(ids: np.ndarray, stop: int) -> int | None:
+    """The index of the first value outside [0, stop) (a token id past the vocabulary), or None.
+
+    first_outside(np.array([3, 9, 5]), 8) == 1
+    """
+    if not len(ids) or (int(ids.max()) < stop and (ids.dtype.kind == "u" or int(ids.min()) >= 0)):
+        return None
+    return int(np.flatnonzero((ids >= stop) | (ids < 0))[0])

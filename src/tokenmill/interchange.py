@@ -26,7 +26,8 @@ little-endian uint16 file, what nanoGPT's ``np.memmap(path, dtype=np.uint16)`` r
 ``meta.pkl`` beside it (pickled ``{"vocab_size": N}``, what its train.py reads); a split's folder
 gives ``out/train.bin`` and ``out/val.bin``. Documents
 end with EOS in a prepared store, so they are simply concatenated. An int32 store is exported only
-when its vocabulary fits uint16 (vocab_size <= 65,536; every id checked), otherwise refused.
+when its vocabulary fits uint16 (vocab_size <= 65,536), otherwise refused; every id of every
+dtype is checked below the manifest's vocab_size (``shardexport``).
 
 export(store, out="docs.jsonl", format="jsonl"): one ``{"text": …}`` line per document, decoded
 by the store's tokenizer (the manifest's ``settings.tokenizer`` spec, or ``tokenizer=``), which
@@ -52,16 +53,18 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from tokenmill.errors import ConfigError, InputError, StoreError, TokenizerError
-from tokenmill.io import atomic_output, is_url, redact, xxh3_file
+from tokenmill.arrays import first_outside
+from tokenmill.errors import ConfigError, InputError, TokenizerError
+from tokenmill.io import atomic_output
 from tokenmill.plan import check_tokenizers
 from tokenmill.prepare.split import check_accounts, split_of, split_sides
+from tokenmill.shardexport import nanogpt_chunks, verified_shard
 from tokenmill.store import (IDX_HEADER, IDX_MAGIC, IDX_VERSION, MANIFEST, DTYPE_CODES, ShardInfo,
                              TokenStore, atomic_write_bytes, atomic_write_json, build_manifest,
                              idx_bytes, read_idx, shard_name)
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["EXPORT_FORMATS", "LINK_MODES", "export", "import_megatron", "verified_shard"]
+__all__ = ["EXPORT_FORMATS", "LINK_MODES", "export", "import_megatron"]
 
 LINK_MODES = ("hard", "symlink", "copy")
 EXPORT_FORMATS = ("nanogpt", "jsonl")
@@ -277,8 +280,7 @@ def _scan(path: str | Path, copy_to: Path | None, plan: _ShardPlan, vocab_size: 
             h.update(view)
             dst.write(view)
             ids = np.frombuffer(view, dtype)
-            if len(ids) and (ids.max() >= vocab_size or (dtype.kind == "i" and ids.min() < 0)):
-                bad = int(np.flatnonzero((ids >= vocab_size) | (ids < 0))[0])
+            if (bad := first_outside(ids, vocab_size)) is not None:
                 _bad_token(plan, pos + bad, int(ids[bad]), vocab_size)
             pos += len(ids)
             bar.update(n)
@@ -390,39 +392,11 @@ def output_errors(out: Path) -> Iterator[None]:
                           "write to") from None
 
 
-def verified_shard(s: TokenStore, k: int) -> np.ndarray:
-    """Shard ``k``'s tokens after checking its ``.bin`` (and a local ``.idx``) against the
-    manifest's xxh3 — export reads every byte anyway; a StoreError names a changed file."""
-    entry, tokens = s.manifest["shards"][k], s.shard(k)
-    where = f"{redact(str(s.path))}/{entry['name']}"
-    got = xxhash.xxh3_64_hexdigest(memoryview(np.ascontiguousarray(tokens)).cast("B"))
-    if got != entry["bin_xxh3"]:
-        raise StoreError(f"{where}.bin: checksum mismatch (xxh3 {got}, the manifest records "
-                         f"{entry['bin_xxh3']}): the shard changed after prepare, nothing was "
-                         "exported — run 'tokenmill verify', then 'tokenmill prepare' again")
-    if not is_url(s.path) and (got := xxh3_file(f"{s.path}/{entry['name']}.idx")) != entry["idx_xxh3"]:
-        raise StoreError(f"{where}.idx: checksum mismatch (xxh3 {got}, the manifest records "
-                         f"{entry['idx_xxh3']}): the index changed after prepare, nothing was "
-                         "exported — run 'tokenmill verify', then 'tokenmill prepare' again")
-    return tokens
-
-
 def _write_nanogpt(s: TokenStore, f, tokenizer, progress) -> None:
-    vocab = s.tokenizer.get("vocab_size")
-    if s.dtype != np.uint16 and not (isinstance(vocab, int) and vocab <= 1 << 16):
-        raise StoreError(f"{s.path}: holds {s.dtype} tokens (vocab_size {vocab}); nanoGPT's reader "
-                         "takes uint16 ids (< 65,536) — export --format jsonl instead, or prepare "
-                         "with a tokenizer of at most 65,536 ids")
     with _Bar(s.num_tokens, "export", progress) as bar:
-        for k in range(s.num_shards):
-            tokens = verified_shard(s, k)
-            for start in range(0, len(tokens), _CHUNK // 2):
-                part = tokens[start:start + _CHUNK // 2]
-                if s.dtype != np.uint16 and len(part) and (part.min() < 0 or part.max() > 0xFFFF):
-                    raise StoreError(f"{s.path}/{shard_name(k)}.bin: id {int(part.max())} does not "
-                                     "fit uint16; the store breaks its own vocab_size")
-                f.write(part.astype("<u2", copy=False).data)
-                bar.update(len(part))
+        for part in nanogpt_chunks(s, _CHUNK // 2):
+            f.write(part.data)
+            bar.update(len(part))
 
 
 def _write_jsonl(s: TokenStore, f, tokenizer, progress) -> None:

@@ -1,5 +1,6 @@
-"""Checking a store: structure, sizes and every checksum (the ``.src`` sidecars' too), local or
-remote."""
+"""Checking a store: structure, sizes and every checksum (the ``.src`` sidecars' too), every
+token id below the manifest's ``vocab_size``, and the fingerprint recomputed from the manifest
+(tokenizer, dtype, shard checksums: ``format.store_fingerprint``), local or remote."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenmill.arrays import first_outside
 from tokenmill.errors import StoreError
 from tokenmill.io import is_url, json_bytes, list_sizes, redact, xxh3_file
 from tokenmill.store.cache import ShardCache
 from tokenmill.store.format import (MANIFEST, MANIFEST_CHECKSUM, SOURCES, parse_src, read_idx,
-                                    read_manifest)
+                                    read_manifest, store_fingerprint)
 
 _FILES = ((".bin", "bin_bytes", "bin_xxh3"), (".idx", "idx_bytes", "idx_xxh3"))
 _SRC = (".src", "src_bytes", "src_xxh3")
@@ -59,6 +61,9 @@ def verify_store(path: str | os.PathLike, *, storage_options: dict | None = None
         f = path / f"{s['name']}.idx"
         if not any(p.startswith(str(f)) for p in problems):
             problems.extend(_check_idx_structure(f, s, np.dtype(manifest["dtype"])))
+        f = path / f"{s['name']}.bin"
+        if not any(p.startswith(str(f)) for p in problems):
+            problems.extend(_check_ids(f, manifest))
         f = path / f"{s['name']}.src"
         if s.get("src_xxh3") is not None and not any(p.startswith(str(f)) for p in problems):
             problems.extend(_check_src(f, s, manifest))
@@ -94,6 +99,8 @@ def _verify_remote(url: str, storage_options: dict | None) -> list[str]:
                                  _check_idx_structure(local, s, np.dtype(manifest["dtype"]))]
                 elif ext == ".src":
                     problems += [p.replace(str(local), f) for p in _check_src(local, s, manifest)]
+                else:
+                    problems += [p.replace(str(local), f) for p in _check_ids(local, manifest)]
                 local.unlink()
     if not problems:
         problems += _check_totals(manifest, f"{url}/{MANIFEST}")
@@ -101,11 +108,31 @@ def _verify_remote(url: str, storage_options: dict | None) -> list[str]:
 
 
 def _check_totals(manifest: dict, where) -> list[str]:
+    """The totals and the fingerprint agree with the shards the manifest lists."""
+    got, want = manifest.get("fingerprint"), store_fingerprint(manifest)
+    if got != want:
+        return [(f"{where}: fingerprint {got!r}, but its tokenizer, dtype and shard checksums "
+                 f"give {want!r} (damaged, or edited)")]
     total = sum(s["num_tokens"] for s in manifest["shards"])
     docs = sum(s["num_documents"] for s in manifest["shards"])
     if total != manifest["num_tokens"] or docs != manifest["num_documents"]:
         return [f"{where}: totals ({manifest['num_documents']:,} documents, "
                 f"{manifest['num_tokens']:,} tokens) disagree with its shards ({docs:,}, {total:,})"]
+    return []
+
+
+def _check_ids(f: Path, manifest: dict) -> list[str]:
+    """Every token id of a .bin below the manifest's vocab_size (a manifest that claims a
+    smaller vocabulary than its ids need makes a model's embedding too small)."""
+    vocab = manifest["tokenizer"].get("vocab_size")
+    if type(vocab) is not int or vocab < 1:
+        return [f"{f}: the manifest's tokenizer vocab_size is {vocab!r}, not a positive integer"]
+    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+    n = os.path.getsize(f) // dtype.itemsize
+    ids = np.memmap(f, dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
+    if (bad := first_outside(ids, vocab)) is not None:
+        return [(f"{f}: token {bad:,} is id {int(ids[bad]):,}, not below the manifest's "
+                 f"tokenizer vocab_size {vocab:,} (an edited manifest, or another tokenizer's ids)")]
     return []
 
 
