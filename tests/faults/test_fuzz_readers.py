@@ -199,11 +199,12 @@ def jsonl_oracle(data: bytes, key: str = "text", compressed: bool = False) -> li
 def jsonl_record(where: str, line: str, key: str) -> tuple | None:
     if not line.strip(WS):
         return None
+    objects = []  # each object's pairs, the top-level one last
     try:
-        obj = json.loads(line)
+        obj = json.loads(line, object_pairs_hook=lambda pairs: objects.append(pairs) or dict(pairs))
     except (ValueError, RecursionError):
         return ("skip", where, "malformed_json")
-    if not isinstance(obj, dict):
+    if not isinstance(obj, dict) or [k for k, _ in objects[-1]].count(key) > 1:  # a key twice
         return ("skip", where, "malformed_json")
     if key not in obj:
         return ("skip", where, "missing_field")
