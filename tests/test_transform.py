@@ -20,7 +20,7 @@ import pytest
 from conftest import docs_of, kill_after_first_commit, store_bytes, write_jsonl
 from tokenmill.errors import ConfigError
 from tokenmill.prepare import prepare
-from tokenmill.prepare.split import keep_side, kept_indices
+from tokenmill.prepare.split import is_val, keep_side, kept_indices
 from tokenmill.records import Skip
 
 TOKENMILL = Path(sys.executable).with_name("tokenmill")  # the venv's console script
@@ -416,12 +416,92 @@ def test_a_transform_that_is_not_deterministic_is_refused_and_a_split_accounts_f
             "--val-fraction", 0.2, "--workers", 2, env=env)
     assert r.returncode == 2, r.stderr
     assert "the split does not account for every document: the train store holds " in r.stderr
-    assert "the transform chaos:bag gave some records other texts in the two passes" in r.stderr
+    assert (f"the transform chaos:bag gave the records of {site / 'x.jsonl'} other texts in the "
+            "two passes: it is not deterministic") in r.stderr, r.stderr
     r = cli(site, "prepare", "x.jsonl", "--out", "bag", "--transform", "chaos:bag",
             "--val-fraction", 0.2, "--workers", 2, env=env)  # a new process: other sample texts
     assert r.returncode == 2 and "bag/train: already holds a store prepared with other settings " \
         "(transform: 'chaos:bag (source xxh3 " in r.stderr, r.stderr
 
+
+TABLED = """
+import os
+import time
+
+from table import TABLE
+
+
+def to_text(record):
+    if os.environ.get("SLOW_TRANSFORM"):
+        time.sleep(0.002)
+    return TABLE.get(record["id"], "") + record["text"]
+"""
+
+
+def test_a_resume_after_a_helper_module_changed_only_records_past_the_samples_is_refused(site):
+    # the transform's own module unchanged; a table it imports edited for one record outside the
+    # sampled ones (the first 32 records of the first 4 files), between a kill -9 and the rerun
+    (site / "mods" / "tabled.py").write_text(TABLED)
+    table = site / "mods" / "table.py"
+    table.write_text("TABLE = {}\n")
+    (site / "in").mkdir()
+    for k in range(6):
+        write_records(site / "in" / f"x{k}.jsonl",
+                      [{"id": i, "text": f"document {i}"} for i in range(200 * k, 200 * k + 200)])
+    args = ("prepare", "in", "--out", "s", "--transform", "tabled:to_text", "--shard-tokens",
+            2000, "--workers", 2)
+    kill_after_first_commit(cli(site, *args, env={"SLOW_TRANSFORM": "1"}, wait=False), site / "s")
+    table.write_text('TABLE = {1100: "NEW "}\n')  # record 1100: x5.jsonl, never sampled
+    r = cli(site, *args)
+    assert r.returncode == 2, r.stderr  # before: exit 0, a store of both versions
+    assert "s: holds an unfinished prepare with other settings (transform: 'tabled:to_text " \
+        "(source xxh3 " in r.stderr and " of table + tabled, 128 sample records" in r.stderr
+    assert not (site / "s" / "manifest.json").exists()
+    table.write_text("TABLE = {}\n")  # as it was: the run resumes, one version of everything
+    r = cli(site, *args)
+    assert r.returncode == 0, r.stderr
+    assert texts_of(site / "s") == [f"document {i}" for i in range(1200)]
+
+
+SECOND_THOUGHTS = """
+from collections import Counter
+
+SEEN = Counter()
+TEXTS = {TEXTS!r}
+
+
+def to_text(record):
+    \"\"\"Another text the second time it meets a record, for two records past the samples.\"\"\"
+    if record["id"] not in TEXTS:
+        return record["text"]
+    SEEN[record["id"]] += 1
+    return TEXTS[record["id"]][SEEN[record["id"]] > 1]
+"""
+
+
+def test_a_split_whose_passes_gave_a_record_two_texts_is_refused_even_when_counts_agree(site):
+    # in one process (--workers 1) the transform sees each record once per pass: record 700
+    # is on the val side in the train pass and on the train side in the val pass (in neither
+    # store), record 1000 the other way round (in both): the counts agree
+    def text(record_id: int, val: bool) -> str:
+        return next(t for n in range(1000) if is_val(t := f"document {record_id} v{n}", 0.3) == val)
+    texts = {700: (text(700, True), text(700, False)), 1000: (text(1000, False), text(1000, True))}
+    (site / "mods" / "second.py").write_text(SECOND_THOUGHTS.replace("{TEXTS!r}", repr(texts)))
+    (site / "in").mkdir()
+    for k in range(6):
+        write_records(site / "in" / f"x{k}.jsonl",
+                      [{"id": i, "text": f"document {i}"} for i in range(200 * k, 200 * k + 200)])
+    r = cli(site, "prepare", "in", "--out", "sp", "--transform", "second:to_text",
+            "--val-fraction", 0.3, "--workers", 1)
+    assert r.returncode == 2, r.stderr  # before: exit 0, document 1000 on both sides, 700 on none
+    assert r.stderr.endswith(
+        "the split does not account for every document: the train store holds 839 and held out "
+        "361, the val store holds 361 and held out 839 (each side must hold what the other held "
+        "out, document by document); the transform second:to_text gave the records of "
+        f"{site / 'in' / 'x3.jsonl'} other texts in the two passes: it is not deterministic (in "
+        "every process and at every call? e.g. no set order or hash() of str, no time, no "
+        "unseeded random, no state kept between calls): fix that and run again with "
+        "--overwrite\n"), r.stderr
 
 STREAM = """
 import sys

@@ -23,7 +23,7 @@ Staging, beside the shards (a shared filesystem or a URL every node reaches)::
 
     <out>/.progress/units/unit-NNNNNNN.bin    the unit's tokens, little-endian, store dtype
     <out>/.progress/units/unit-NNNNNNN.json   {"key", "unit", "num_tokens", "lengths", "skips",
-                                               "digest", "lines", "newlines"}
+                                               "digest", "lines", "newlines", "texts"}
 
 Each shard's ``.src`` (where its documents came from) is written by its write task; the driver
 turns staged lines into lines of the file in unit order (``prepare.run.origins_of``).
@@ -103,6 +103,7 @@ class Staged(NamedTuple):
     digest: str | None = None
     lines: np.ndarray | None = None
     newlines: int = 0
+    texts: str | None = None  # a split's: UnitResult.texts
 
 
 class Written(NamedTuple):
@@ -144,7 +145,7 @@ def stage_unit(job: Job, u: int, unit: sources.Unit) -> Staged:
         skips = [(o, sources.Skip(**s)) for o, s in meta["skips"]]
         return Staged(u, np.asarray(meta["lengths"], dtype=np.int64), skips, meta["num_tokens"],
                       meta.get("digest"), np.asarray(meta["lines"], dtype=np.int64),
-                      meta["newlines"])
+                      meta["newlines"], meta.get("texts"))
     c = job.config
     # a file path is the driver's (relative to its folder); a name (cl100k_base, org/name) is not
     spec = job.local(c.tokenizer)
@@ -156,9 +157,11 @@ def stage_unit(job: Job, u: int, unit: sources.Unit) -> Staged:
     _put(tokens_file, res.tokens.astype(dtype).tobytes(), job.storage_options)
     meta = {"key": job.key, "unit": unit_record(unit), "num_tokens": len(res.tokens),
             "lengths": res.lengths.tolist(), "skips": [(o, asdict(s)) for o, s in skips],
-            "digest": res.digest, "lines": res.lines.tolist(), "newlines": res.newlines}
+            "digest": res.digest, "lines": res.lines.tolist(), "newlines": res.newlines,
+            "texts": res.texts}
     _put(meta_file, json_bytes(meta), job.storage_options)  # last: it vouches for the tokens
-    return Staged(u, res.lengths, skips, len(res.tokens), res.digest, res.lines, res.newlines)
+    return Staged(u, res.lengths, skips, len(res.tokens), res.digest, res.lines, res.newlines,
+                  res.texts)
 
 
 def unit_record(unit: sources.Unit) -> list:
@@ -435,7 +438,7 @@ class Driver:
         """Unit ``st.index``'s documents (from the resume point on) into the shards being cut."""
         u = st.index
         d0 = self.start[1] if u == self.start[0] else 0
-        self.writer.note_unit(u, d0, st.skips, st.digest)
+        self.writer.note_unit(u, d0, st.skips, st.digest, st.texts)
         t0 = int(st.lengths[:d0].sum())
         lengths, origins = st.lengths[d0:], self.origins(u, st).part(d0)
         ends = np.concatenate([[0], np.cumsum(lengths)])

@@ -38,6 +38,7 @@ from tokenmill.textfields import check_joinable, ignored_note
 from tokenmill.io import file_size, is_url, redact
 from tokenmill.prepare.identity import check_unchanged, finished_ids, input_ids
 from tokenmill.prepare.pool import ReadAhead, UnitPool, ordered_results
+from tokenmill.prepare.split import texts_record
 from tokenmill.prepare.tokenize import (PrepareConfig, UnitResult, engine_option, engine_record,
                                         input_name, unit_digest)
 from tokenmill.procs import resolve_workers, usable_cores
@@ -255,7 +256,8 @@ def run_local(run: Run, workers: int, pool: UnitPool | None = None,
         origins = origins_of(run.files, units, run.storage_options)
         for u, res in ordered_results(units, first, workers, run.config, run.storage_options,
                                       run.tok, payloads, pool, ahead):
-            writer.add(u, 0, res.tokens, res.lengths, res.skips, res.digest, origins(u, res))
+            writer.add(u, 0, res.tokens, res.lengths, res.skips, res.digest, origins(u, res),
+                       res.texts)
             meter.update(weights[u], docs=len(res.lengths), tokens=len(res.tokens))
         manifest = finish(run)
     except BaseException:
@@ -270,9 +272,11 @@ def run_local(run: Run, workers: int, pool: UnitPool | None = None,
 
 def finish(run: Run) -> dict:
     """Write the manifest of a run whose every unit is in (either engine); the manifest."""
+    split = texts_record(run.files, run.units, run.writer.unit_texts) if run.config.holdout \
+        else {}
     return run.writer.finish(run.tok.identity(), run.settings, {
         "tokenizer_engine": engine_record(run.tok),
-        **inputs_finished(run.inputs, run.units, run.writer, run.storage_options)})
+        **inputs_finished(run.inputs, run.units, run.writer, run.storage_options), **split})
 
 
 def inputs_record(files: Sequence[str], units: Sequence[sources.Unit], storage_options,

@@ -13,6 +13,13 @@ into ``<out>/train`` and ``holdout=("val", F)`` into ``<out>/val``: each pass is
 resumable, lockable prepare (either engine), and each store's manifest records its side, the
 fraction (``settings.holdout``) and how many documents went to the other side: they count as
 ``held_out`` skips (no examples kept), so the count survives a resume; ``split_of`` reads them.
+
+The two passes must agree per document, not only in number: each pass records, per input file,
+the sum (mod 2^64) of the xxh3-64 of every document's text as its transform made it, either side
+(``texts_sum`` per unit, kept with the writer's progress records across a resume; the manifest's
+``split_texts_xxh3``, one per ``sources`` entry, independent of units and workers).
+``check_accounts`` compares them: a record given two texts (a transform random outside the
+sampled records) would be on both sides or on neither even when the counts agree.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from tokenmill.io import is_url
 from tokenmill.records import Skip
 from tokenmill.store.format import SIDES, split_paths  # the two stores' places: the store knows
 HELD_OUT = "held_out"
+SPLIT_TEXTS = "split_texts_xxh3"  # the manifest's per-input sums of document text hashes
+MASK64 = (1 << 64) - 1
 
 
 def check_holdout(holdout) -> tuple[str, float] | None:
@@ -72,20 +81,40 @@ def kept_indices(texts: Sequence[str], holdout: tuple[str, float]) -> list[int]:
 
     kept_indices(["a", "b", "c", "d"], ("val", 0.5)) == [1, 3]
     """
-    side, fraction = holdout
-    below, want_val = int(fraction * 2.0 ** 64), side == "val"
+    return sided(text_hashes(texts), holdout)
+
+
+def text_hashes(texts: Sequence[str]) -> list[int]:
+    """The xxh3-64 of each text (UTF-8) that decides its side."""
     hash64 = xxhash.xxh3_64_intdigest
     # "surrogatepass": a lone surrogate decoded from JSON ("\ud800") must not raise here
-    return [i for i, t in enumerate(texts)
-            if (hash64(t.encode("utf-8", "surrogatepass")) < below) == want_val]
+    return [hash64(t.encode("utf-8", "surrogatepass")) for t in texts]
+
+
+def sided(hashes: Sequence[int], holdout: tuple[str, float]) -> list[int]:
+    """Indices of the texts whose ``text_hashes`` put them on ``holdout``'s side, in order."""
+    side, fraction = holdout
+    below, want_val = int(fraction * 2.0 ** 64), side == "val"
+    return [i for i, h in enumerate(hashes) if (h < below) == want_val]
+
+
+def texts_sum(hashes: Sequence[int]) -> str:
+    """What a unit records of its documents for ``check_accounts``: the sum of their
+    ``text_hashes`` mod 2^64, in hex (order-free: units add up to their file's).
+
+    texts_sum([1, 2]) == "0000000000000003"
+    """
+    return f"{sum(hashes) & MASK64:016x}"
 
 
 def keep_side(texts: list[str], skips: list[tuple[int, Skip]], holdout: tuple[str, float],
-              path: str) -> tuple[list[int], list[tuple[int, Skip]]]:
+              path: str, hashes: Sequence[int] | None = None
+              ) -> tuple[list[int], list[tuple[int, Skip]]]:
     """The indices of a unit's texts on ``holdout``'s side, and its skips (ordinals into texts)
     with the other side's texts taken out: each becomes a ``held_out`` Skip, and every ordinal
-    counts kept texts only (apply the indices to the texts and their origins in lockstep)."""
-    kept = kept_indices(texts, holdout)
+    counts kept texts only (apply the indices to the texts and their origins in lockstep).
+    ``hashes``: the texts' ``text_hashes``, when already at hand."""
+    kept = sided(text_hashes(texts) if hashes is None else hashes, holdout)
     if len(kept) == len(texts):
         return kept, skips
     other = "val" if holdout[0] == "train" else "train"
@@ -152,20 +181,49 @@ def split_of(manifest: dict) -> dict | None:
 
 def check_accounts(train: dict, val: dict) -> None:
     """Refuse a split whose two stores do not account for the same documents: what one side
-    kept must be what the other held out (a transform that gives a record two texts puts it on
-    both sides, or on neither)."""
+    kept must be what the other held out, and each input's documents must have had the same
+    texts in both passes (``split_texts_xxh3``; a transform that gives a record two texts puts
+    it on both sides, or on neither, even when the counts agree)."""
     kept = {"train": train["num_documents"], "val": val["num_documents"]}
     held = {"train": split_of(train)["held_out"], "val": split_of(val)["held_out"]}
-    if kept["train"] == held["val"] and kept["val"] == held["train"]:
+    differ = differing_input(train, val)
+    if differ is None and kept["train"] == held["val"] and kept["val"] == held["train"]:
         return
     transform = train.get("settings", {}).get("transform", "").split(" (")[0]
-    why = (f"the transform {transform} gave some records other texts in the two passes (is it "
-           "deterministic in every process? e.g. no set order or hash() of str, no time or "
-           "unseeded random)" if transform else "the inputs changed between the two passes")
+    which = f"the records of {differ}" if differ else "some records"
+    why = (f"the transform {transform} gave {which} other texts in the two passes: it is not "
+           "deterministic (in every process and at every call? e.g. no set order or hash() of "
+           "str, no time, no unseeded random, no state kept between calls)" if transform else
+           "the inputs changed between the two passes" + (f" ({differ})" if differ else ""))
     raise ConfigError(f"the split does not account for every document: the train store holds "
                       f"{kept['train']:,} and held out {held['train']:,}, the val store holds "
                       f"{kept['val']:,} and held out {held['val']:,} (each side must hold what "
-                      f"the other held out); {why}: fix that and run again with --overwrite")
+                      f"the other held out, document by document); {why}: fix that and run "
+                      "again with --overwrite")
+
+
+def differing_input(train: dict, val: dict) -> str | None:
+    """The first input whose documents' texts differ between the two passes' manifests
+    (``split_texts_xxh3``); None if none does, or a manifest does not record them."""
+    a, b = train.get(SPLIT_TEXTS), val.get(SPLIT_TEXTS)
+    names = train.get("sources") or []
+    if not a or not b or names != val.get("sources") or not len(a) == len(names) == len(b):
+        return None
+    return next((name for name, x, y in zip(names, a, b) if x != y), None)
+
+
+def texts_record(files: Sequence[str], units: Sequence, sums: dict[int, str]) -> dict:
+    """The manifest's ``split_texts_xxh3``: per input file (``files``, in the order ``sources``
+    records them), the sum of its ``units``' ``texts_sum`` (``sums``, by unit index); {} if a unit has none (a
+    run resumed from progress recorded before this)."""
+    if any(u not in sums for u in range(len(units))):
+        return {}
+    total = dict.fromkeys(files, 0)
+    for u, unit in enumerate(units):
+        if unit.path not in total:
+            return {}
+        total[unit.path] = (total[unit.path] + int(sums[u], 16)) & MASK64
+    return {SPLIT_TEXTS: [f"{total[f]:016x}" for f in files]}
 
 
 def split_line(split: dict, documents: int) -> str:

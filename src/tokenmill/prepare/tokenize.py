@@ -27,7 +27,7 @@ import xxhash
 from tokenmill import sources
 from tokenmill.errors import check_int
 from tokenmill.io import CHUNK, filesystem, is_url, redact
-from tokenmill.prepare.split import check_holdout, keep_side
+from tokenmill.prepare.split import check_holdout, keep_side, text_hashes, texts_sum
 from tokenmill.textfields import text_extensions, text_keys
 from tokenmill.prepare.transform import (sample_records, transform_identity, transform_spec,
                                          transformed)
@@ -115,7 +115,9 @@ class UnitResult:
     characters read, an xxh3 of the input bytes the unit stands for (None: covered by the file's
     first unit), and where each document starts: ``lines`` (int64, in lockstep with ``lengths``;
     of the file, or of the unit when ``records.unit_lines_relative``) and the unit's
-    ``newlines`` (``records.LineCount``), which ``readers.LineBases`` turns into file lines."""
+    ``newlines`` (``records.LineCount``), which ``readers.LineBases`` turns into file lines;
+    for one side of a split, ``texts``: the ``split.texts_sum`` of every document's text, either
+    side (the two passes must agree)."""
 
     tokens: np.ndarray
     lengths: np.ndarray
@@ -124,6 +126,7 @@ class UnitResult:
     digest: str | None = None
     lines: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     newlines: int = 0
+    texts: str | None = None
 
 
 @functools.lru_cache(maxsize=4)
@@ -203,13 +206,15 @@ def encode_unit(read: UnitRead, config: PrepareConfig, tok: Tokenizer) -> UnitRe
             lines.append(line)
         else:
             skips.append((len(texts), item))
+    summed = None
     if config.holdout is not None:
-        kept, skips = keep_side(texts, skips, config.holdout, read.path)
-        texts, lines = [texts[i] for i in kept], [lines[i] for i in kept]
+        hashes = text_hashes(texts)
+        kept, skips = keep_side(texts, skips, config.holdout, read.path, hashes)
+        texts, lines, summed = [texts[i] for i in kept], [lines[i] for i in kept], texts_sum(hashes)
     tokens, lengths = encode_documents(tok, texts, add_eos=config.add_eos,
                                        add_bos=config.add_bos, dtype=token_dtype(tok.vocab_size))
     return UnitResult(tokens, lengths, skips, sum(map(len, texts)), read.digest,
-                      np.array(lines, dtype=np.int64), read.newlines)
+                      np.array(lines, dtype=np.int64), read.newlines, summed)
 
 
 def txt_place(unit: sources.Unit, k: int) -> str:

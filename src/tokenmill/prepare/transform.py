@@ -11,8 +11,11 @@ function of the script that was run (``__main__``), a lambda or a nested functio
 is refused with a ConfigError that says to move it into a module.
 
 A transform is known by what it does, not only by its name: its identity is its module and
-qualified name, an xxh3 of its module's source (of its own code when the source is not at hand)
-and an xxh3 of what it makes of sample records — the first records of the first input files,
+qualified name, an xxh3 of the source of its module and of every module of the user's own code
+that module imports, directly or through another (``own_modules``: not the standard library, not
+site-packages, not tokenmill; a constant or a helper edited in ``helper.py`` changes it however
+few records it touches; of its own code when no source is at hand), and an xxh3 of what it makes
+of sample records — the first records of the first input files,
 each given three times: a transform that returns two texts for one record (a random template) is
 refused, as a resume, the validation split and the streaming cache need the same text for the
 same record. The identity is part of the store's settings: a resume, or a streaming cache, made
@@ -29,12 +32,18 @@ is an InputError under either policy (it would end prepare, or one of its worker
 
 from __future__ import annotations
 
+import ast
 import copy
 import functools
 import importlib
+import importlib.util
 import inspect
 import itertools
 import json
+import os
+import site
+import sys
+import sysconfig
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -116,22 +125,102 @@ def transform_identity(spec: str, samples: Sequence[Sample] = ()) -> str:
     changed transform):
     ``"fmt:chat (source xxh3 3ec6…, 32 sample records xxh3 1a2b… → output xxh3 9f2c…)"``.
     A ConfigError if it is not deterministic (``behaviour``)."""
-    source = xxhash.xxh3_64_hexdigest(_source(load_transform(spec)))
+    output = behaviour(spec, samples)  # first: what it imports on its first call is loaded too
+    fn, h = load_transform(spec), xxhash.xxh3_64()
+    modules = own_modules(fn)
+    for name, data in modules:
+        h.update(f"{name}\0{len(data)}\0".encode() + data)
+    if not modules:
+        h.update(_code(fn))
+    names = [name for name, _ in modules]
+    listed = " + ".join(names[:4]) + (f" + {len(names) - 4} more" if len(names) > 4 else "")
     records = xxhash.xxh3_64_hexdigest("\n".join(
         json.dumps(s.record, ensure_ascii=False, default=repr) for s in samples
     ).encode("utf-8", "surrogatepass"))
-    return (f"{spec} (source xxh3 {source}, {len(samples)} sample records xxh3 {records} → "
-            f"output xxh3 {behaviour(spec, samples)})")
+    return (f"{spec} (source xxh3 {h.hexdigest()}{' of ' + listed if listed else ''}, "
+            f"{len(samples)} sample records xxh3 {records} → output xxh3 {output})")
 
 
-def _source(fn: Transform) -> bytes:
-    """The source a transform is known by: its whole module's (a helper or a constant beside it
-    changes what it does), else its own, else its code object's bytes."""
-    for obj in (inspect.getmodule(fn), fn):
-        try:
-            return inspect.getsource(obj).encode()
-        except (OSError, TypeError):
-            pass
+def own_modules(fn: Transform) -> list[tuple[str, bytes]]:
+    """(name, file bytes) of ``fn``'s module and of every module of the user's own code it
+    imports, directly or through another (its ``import`` statements, wherever they are, as far
+    as they are loaded), sorted by name; the standard library, site-packages and tokenmill are
+    not the user's. [] when ``fn``'s module has no file (its own code is then used)."""
+    root = inspect.getmodule(fn)
+    found: dict[str, bytes] = {}
+    todo = [root] if root is not None else []
+    while todo:
+        module = todo.pop()
+        name = getattr(module, "__name__", None)
+        if name in found or (module is not root and not _is_own(module)):
+            continue
+        data = _file_bytes(module)
+        if data is None:
+            continue
+        found[name] = data
+        todo += [sys.modules[m] for m in _imports(data, module) if m in sys.modules]
+    return sorted(found.items())
+
+
+@functools.lru_cache(maxsize=1)
+def _not_own_roots() -> tuple[str, ...]:
+    """Folders whose modules are not the user's own: the standard library, every site-packages,
+    tokenmill itself."""
+    paths = sysconfig.get_paths()
+    roots = [paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths]
+    roots += site.getsitepackages() + [site.getusersitepackages()]
+    roots.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tokenmill/
+    return tuple(os.path.join(os.path.realpath(r), "") for r in roots)
+
+
+def _is_own(module) -> bool:
+    """Whether a loaded module is the user's own code (a file outside ``_not_own_roots``)."""
+    path = getattr(module, "__file__", None)
+    if not isinstance(path, str):
+        return False  # built in, or a namespace package
+    path = os.path.realpath(path)
+    parts = path.split(os.sep)
+    return not path.startswith(_not_own_roots()) and \
+        "site-packages" not in parts and "dist-packages" not in parts
+
+
+def _file_bytes(module) -> bytes | None:
+    """The bytes of a module's file (its source, or what was loaded), None if unreadable."""
+    try:
+        with open(module.__file__, "rb") as f:
+            return f.read()
+    except (OSError, TypeError, AttributeError):
+        return None
+
+
+def _imports(source: bytes, module) -> list[str]:
+    """The modules a module's source imports (``import a.b``: a and a.b; ``from .c import d``:
+    the package's c and c.d), resolved against its package; [] if it is not Python source."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            try:
+                base = importlib.util.resolve_name("." * node.level + (node.module or ""),
+                                                   getattr(module, "__package__", None) or "")
+            except (ImportError, ValueError):
+                continue
+            names += [base] + [f"{base}.{a.name}" for a in node.names]
+    return [".".join(n.split(".")[:k + 1]) for n in names for k in range(n.count(".") + 1)]
+
+
+def _code(fn: Transform) -> bytes:
+    """What a transform without a module file is known by: its own source, else its code
+    object's bytes."""
+    try:
+        return inspect.getsource(fn).encode()
+    except (OSError, TypeError):
+        pass
     code = getattr(fn, "__code__", None)
     return code.co_code + repr(code.co_consts).encode() if code else repr(fn).encode()
 

@@ -7,7 +7,8 @@ On disk, beside the shards (``store.shards`` writes those), one format for every
     .progress/key.json         the resume key: settings, unit size, the input files and sizes
     .progress/shard-NNNNN.json shard NNNNN committed: {"shard": its ShardInfo, "cursor": [unit,
                                doc] (where reading resumes), "skipped": skips up to the cursor,
-                               "inputs": {unit: xxh3 of that unit's input bytes}}
+                               "inputs": {unit: xxh3 of that unit's input bytes},
+                               "texts": {unit: its documents' texts' sum} (a split only)}
     .progress/shard-NNNNN.pending  shard NNNNN's files may exist, not yet committed
     .progress/units/…          Ray's staged units
 
@@ -145,6 +146,8 @@ class StoreWriter:
         self._pending_skips: list[tuple[int, int, sources.Skip]] = []
         self._digests: dict[int, str] = {}
         self.input_digests: dict[int, str] = {}  # every unit's of the store, committed or not
+        self._texts: dict[int, str] = {}
+        self.unit_texts: dict[int, str] = {}  # the same, of its documents' texts (note_unit)
         self._writer: ShardWriter | None = None
         self.committed_cursor: tuple[int, int] = (0, 0)
         self.manifest: dict | None = None
@@ -267,6 +270,7 @@ class StoreWriter:
         self.shards = [ShardInfo(**r["shard"]) for r in records[:kept]]
         for r in records[:kept]:
             self.input_digests.update((int(u), d) for u, d in r.get("inputs", {}).items())
+            self.unit_texts.update((int(u), d) for u, d in r.get("texts", {}).items())
         if kept:
             self.cursor = tuple(records[kept - 1]["cursor"])
             self.skips = SkipLog.from_json(records[kept - 1]["skipped"])
@@ -337,16 +341,19 @@ class StoreWriter:
         (self.pdir / f"{shard_name(index)}.pending").touch()
 
     def note_unit(self, u: int, d0: int, skips: Iterable[tuple[int, sources.Skip]],
-                  digest: str | None = None) -> None:
-        """Unit ``u``'s skips (by document ordinal; those before ``d0`` are already counted) and
-        the xxh3 of its input bytes, recorded with the shards that hold its documents."""
+                  digest: str | None = None, texts: str | None = None) -> None:
+        """Unit ``u``'s skips (by document ordinal; those before ``d0`` are already counted),
+        the xxh3 of its input bytes and ``texts`` (one of its documents' texts, for the run's
+        own checks), recorded with the shards that hold its documents."""
         self._pending_skips.extend((u, o, s) for o, s in skips if o >= d0)
         if digest is not None:
             self._digests[u] = self.input_digests[u] = digest
+        if texts is not None:
+            self._texts[u] = self.unit_texts[u] = texts
 
     def add(self, u: int, d0: int, tokens: np.ndarray, lengths: np.ndarray,
             skips: Iterable[tuple[int, sources.Skip]] = (), digest: str | None = None,
-            origins: Origins | None = None) -> None:
+            origins: Origins | None = None, texts: str | None = None) -> None:
         """Unit ``u``'s documents from its document ``d0`` on (and their ``origins``, in
         lockstep, when ``config.origins``), units in order; documents before the resume cursor
         are dropped (a resumed run re-reads its first unit)."""
@@ -361,7 +368,7 @@ class StoreWriter:
                                        shard_tokens=self.config.shard_tokens,
                                        first_shard=len(self.shards), on_start=self.pend,
                                        origins=self.config.origins)
-        self.note_unit(u, d0, skips, digest)
+        self.note_unit(u, d0, skips, digest, texts)
         for info, n_docs in self._writer.add(tokens, lengths, origins):
             self.commit(info, (u, d0 + n_docs))
         self.cursor = (u + 1, 0)
@@ -374,10 +381,12 @@ class StoreWriter:
             (self.skips.add(s) if (u, o) < tuple(cursor) else keep.append((u, o, s)))
         self._pending_skips = keep
         first = self.committed_cursor[0]
-        inputs = {str(u): d for u, d in self._digests.items() if first <= u <= cursor[0]}
+        inputs, texts = ({str(u): d for u, d in notes.items() if first <= u <= cursor[0]}
+                         for notes in (self._digests, self._texts))
         self._digests = {u: d for u, d in self._digests.items() if u >= cursor[0]}
+        self._texts = {u: d for u, d in self._texts.items() if u >= cursor[0]}
         record = {"shard": info.to_json(), "cursor": list(cursor), "skipped": self.skips.to_json(),
-                  "inputs": inputs}
+                  "inputs": inputs} | ({"texts": texts} if texts else {})
         self.shards.append(info)
         self.committed_cursor = tuple(cursor)
         path = self.pdir / f"{info.name}.json"
