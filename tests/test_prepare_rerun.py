@@ -147,3 +147,120 @@ def test_an_input_rewritten_under_the_same_size_and_mtime_while_prepare_runs_fai
                            text=True, timeout=300)
     assert fresh.returncode == 0, fresh.stderr
     assert store_bytes(tmp_path / "store") == store_bytes(tmp_path / "fresh")
+
+
+def tokenmill(cwd, *args, env=None):
+    """``python -m tokenmill ARGS`` in a fresh process: (exit code, stderr)."""
+    done = subprocess.run([sys.executable, "-m", "tokenmill", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+    return done.returncode, done.stderr
+
+
+def one_line_refusal(code, err):
+    """The one line of a refusal (exit 2, no traceback)."""
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err, err
+    return lines[-1]
+
+
+def test_a_file_url_input_rewritten_under_the_same_size_and_mtime_is_refused(tmp_path):
+    # before: a file:// input was recorded as a URL whose only version is its mtime, so this
+    # rerun said "already complete" and kept the store made from the old text
+    corpus(tmp_path)
+    url = (tmp_path / "x.jsonl").as_uri()
+    args = ["prepare", url, "--out", "store", "--tokenizer", "bytes", "--shard-tokens", "20000"]
+    assert tokenmill(tmp_path, *args, "--quiet") == (0, "")
+    before = store_bytes(tmp_path / "store")
+    code, err = tokenmill(tmp_path, *args)
+    assert code == 0 and "already complete" in err, err
+    rewrite_keeping_size_and_mtime(tmp_path / "x.jsonl")
+    line = one_line_refusal(*tokenmill(tmp_path, *args))
+    assert url in line and "same size and modification time, other bytes" in line, line
+    assert "--overwrite" in line, line
+    assert store_bytes(tmp_path / "store") == before
+
+
+def test_a_url_whose_server_reports_only_a_time_is_confirmed_by_its_bytes(tmp_path):
+    # python's http.server sends Last-Modified (seconds) and no ETag: before, a same-size edit
+    # kept under the same time left the rerun "already complete" on the old text
+    import functools
+    import http.server
+    import threading
+    (tmp_path / "srv").mkdir()
+    corpus(tmp_path / "srv")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler,
+                                directory=str(tmp_path / "srv"))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/x.jsonl"
+        args = ["prepare", url, "--out", "store", "--tokenizer", "bytes"]
+        assert tokenmill(tmp_path, *args, "--quiet") == (0, "")
+        before = store_bytes(tmp_path / "store")
+        code, err = tokenmill(tmp_path, *args)
+        assert code == 0 and "already complete" in err, err  # the same bytes: kept
+        rewrite_keeping_size_and_mtime(tmp_path / "srv" / "x.jsonl")
+        line = one_line_refusal(*tokenmill(tmp_path, *args))
+    finally:
+        server.shutdown()
+    assert url in line and "same size and Last-Modified, other bytes" in line, line
+    assert store_bytes(tmp_path / "store") == before
+
+
+def test_a_rerun_names_the_input_that_grew_and_the_file_added_or_removed(tmp_path):
+    # before: "already holds a store prepared with other settings (the input files' names or
+    # sizes changed; …)", naming no file and no size
+    (tmp_path / "d").mkdir()
+    corpus(tmp_path / "d")
+    args = ["prepare", "d", "--out", "store", "--tokenizer", "bytes", "--shard-tokens", "20000"]
+    assert tokenmill(tmp_path, *args, "--quiet") == (0, "")
+    before = store_bytes(tmp_path / "store")
+    x = tmp_path / "d" / "x.jsonl"
+    size = x.stat().st_size
+    with open(x, "a") as f:
+        f.write('{"text": "one more"}\n')
+    line = one_line_refusal(*tokenmill(tmp_path, *args))
+    assert f"another version of d/x.jsonl (size {size:,} → {size + 21:,} bytes)" in line, line
+    assert "y.txt" not in line and "--overwrite" in line and "another --out" in line, line
+    x.write_bytes(x.read_bytes()[:size])
+    (tmp_path / "d" / "z.txt").write_text("a file added to the folder")
+    line = one_line_refusal(*tokenmill(tmp_path, *args))
+    assert "other input files (added: d/z.txt)" in line and "--overwrite" in line, line
+    (tmp_path / "d" / "z.txt").unlink()
+    (tmp_path / "d" / "y.txt").unlink()
+    line = one_line_refusal(*tokenmill(tmp_path, *args))
+    assert f"other input files (removed: {tmp_path / 'd' / 'y.txt'})" in line, line
+    assert store_bytes(tmp_path / "store") == before
+
+
+def test_a_rerun_with_a_transform_and_a_split_names_the_changed_input(tmp_path):
+    # the edit changes the transform's sample records, a setting: before, the refusal showed two
+    # transform identities and never named x.jsonl
+    corpus(tmp_path)
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "bang.py").write_text("def bang(r):\n    return r['text'] + '!'\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path / "mods"), os.environ.get("PYTHONPATH", "")])}
+    args = ["prepare", "x.jsonl", "--out", "out", "--tokenizer", "bytes", "--transform",
+            "bang:bang", "--val-fraction", "0.2"]
+    assert tokenmill(tmp_path, *args, "--quiet", env=env) == (0, "")
+    rewrite_keeping_size_and_mtime(tmp_path / "x.jsonl", 0)  # in the first records
+    line = one_line_refusal(*tokenmill(tmp_path, *args, env=env))
+    assert "another version of x.jsonl (same size and modification time, other bytes)" in line
+    assert "transform" not in line and "--overwrite" in line, line
+
+
+def test_out_a_fifo_or_a_dangling_link_says_what_it_is(tmp_path):
+    # before: "ff: File exists; the output must be a folder to write in" for both
+    corpus(tmp_path)
+    os.mkfifo(tmp_path / "ff")
+    os.symlink("nowhere", tmp_path / "dl")
+    args = ["prepare", "x.jsonl", "--tokenizer", "bytes", "--out"]
+    line = one_line_refusal(*tokenmill(tmp_path, *args, "ff"))
+    assert line.endswith("ff: is a named pipe (FIFO), not a folder; the output must be a folder "
+                         "to write in: move it away, or choose another --out"), line
+    line = one_line_refusal(*tokenmill(tmp_path, *args, "dl"))
+    assert line.endswith("dl: is a symbolic link to nowhere, which does not exist; the output "
+                         "must be a folder to write in: create the folder it points to, or "
+                         "choose another --out"), line
+    assert os.readlink(tmp_path / "dl") == "nowhere" and not (tmp_path / "nowhere").exists()

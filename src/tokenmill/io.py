@@ -233,11 +233,13 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
 # ---- reading --------------------------------------------------------------------------------
 
 
-def xxh3_file(path: str | os.PathLike, cancel: threading.Event | None = None) -> str | None:
-    """xxh3-64 hex digest of a whole local file, read in 8 MiB chunks; None if ``cancel`` is set
-    before the end."""
+def xxh3_file(path: str | os.PathLike, cancel: threading.Event | None = None,
+              storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """xxh3-64 hex digest of a whole file (local, or a URL read through fsspec), read in 8 MiB
+    chunks; None if ``cancel`` is set before the end."""
     h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
+    with (open_binary(os.fspath(path), storage_options) if is_url(path) else open(path, "rb")
+          ) as f, backend_errors(os.fspath(path)):
         while chunk := f.read(CHUNK):
             if cancel is not None and cancel.is_set():
                 return None

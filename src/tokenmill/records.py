@@ -312,6 +312,17 @@ def problem(path: str, on_error: str, where: str, reason: str, detail: str) -> S
 
 # ---- a file that changes while it is read -------------------------------------------------
 
+def local_path(path: str | os.PathLike) -> str | None:
+    """The local file ``path`` names: itself, or a ``file://`` URL's path; None for other URLs.
+
+    local_path("file:///data/a.jsonl") == "/data/a.jsonl" and local_path("s3://b/a") is None
+    """
+    path = os.fspath(path)
+    if not is_url(path):
+        return path
+    return filesystem(path)[1] if path.startswith("file://") else None
+
+
 class RemoteId(NamedTuple):
     """What tells one version of a remote object from another, as its fsspec backend says: the
     size (None if the server will not say) and whichever of ETag, checksum, generation or

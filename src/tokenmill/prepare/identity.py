@@ -6,22 +6,32 @@ The manifest's ``input_ids``, one entry per ``sources`` entry, in its order::
 
     {"ino": …, "size": …, "mtime_ns": …, "ctime_ns": …, "xxh3": "…"}   # a local file
     {"size": …, "tag": [["ETag", "…"], …]}                             # a URL
+    {"size": …, "tag": [["Last-Modified", "…"]], "xxh3": "…"}          # a URL, a time only
     null                                                                # could not be had
 
-- a local file: its ``stat`` when the run that finished the store started (not the device:
-  machines mounting one network filesystem number it differently), and the xxh3-64 of its bytes,
-  read once more when the store is finished (the bytes of a file whose identity changed during
-  the run are first compared with what its units read, ``tokenize.unit_digest``: other bytes
-  fail the run, as a file changed while it was read does, and the rerun redoes its shards);
-- a URL: its size and the version fields its fsspec backend reports (``records.RemoteId``).
+- a local file (a path, or a ``file://`` URL: ``records.local_path``): its ``stat`` when the
+  run that finished the store started (not the device: machines mounting one network filesystem
+  number it differently), and the xxh3-64 of its bytes, read once more when the store is
+  finished (the bytes of a file whose identity changed during the run are first compared with
+  what its units read, ``tokenize.unit_digest``: other bytes fail the run, as a file changed
+  while it was read does, and the rerun redoes its shards);
+- a URL: its size and the version fields its fsspec backend reports (``records.RemoteId``). A
+  backend that reports no version of the content (ETag, checksum, generation, version id), only
+  a modification time or nothing (``python -m http.server``, sftp, ftp), also gets the xxh3 of
+  the bytes: such an input is read once more when the store is finished, and once more by every
+  rerun that finds the store complete (its size and time alone cannot tell an edit).
 
-A rerun that finds the store complete stats each input and reads none whose identity is the
-recorded one. ctime cannot be set by users, so an edit shows whatever the size and mtime say.
-When the inode or a time differs (also after a ``touch``, a ``chmod``, a copy put back), the
-file's bytes are hashed and compared with ``xxh3``: the same bytes keep the store, others refuse
-the rerun naming the file (``--overwrite`` redoes it). A URL whose size or version differs is
-refused: comparing its bytes would download it again. Stores made before this record are not
-checked. The record depends on neither the worker count nor the unit size.
+A rerun that finds the store complete first compares the input files' names with ``sources``
+(one added or removed is refused, naming it), then stats each input and reads none whose
+identity is the recorded one. ctime cannot be set by users, so an edit shows whatever the size
+and mtime say. When the inode or a time differs (also after a ``touch``, a ``chmod``, a copy put
+back), the file's bytes are hashed and compared with ``xxh3``: the same bytes keep the store,
+others refuse the rerun naming the file (``--overwrite`` redoes it). A URL whose size or version
+differs is refused: comparing its bytes would download it again. This check runs before the
+settings are compared, so a change that also shows in a setting (the sizes in ``files_xxh3``, a
+transform's output on the first records) is reported as the input that changed. Stores made
+before this record are not checked. The record depends on neither the worker count nor the unit
+size.
 
     ids = input_ids(files, storage_options)                                # a run starts
     manifest[INPUT_IDS] = finished_ids(ids, names, units, digests, so)     # it ends
@@ -35,12 +45,15 @@ from typing import Mapping, Sequence
 
 from tokenmill import sources
 from tokenmill.errors import ConfigError, TokenmillError
-from tokenmill.io import is_url, redact, xxh3_file
+from tokenmill.io import redact, xxh3_file
 from tokenmill.prepare.tokenize import input_name, unit_digest
-from tokenmill.records import RemoteId, changed, id_change, input_id
+from tokenmill.records import RemoteId, changed, id_change, input_id, local_path
 from tokenmill.store.format import INPUT_IDS, SOURCES
 
 STAT_FIELDS = ("ino", "size", "mtime_ns", "ctime_ns")
+# what some backends report that says when an object was written, not which content it holds
+TIME_FIELDS = ("LastModified", "Last-Modified", "last_modified", "updated", "mtime")
+SHOWN = 3  # changed, added or removed files a refusal names before "and N more"
 
 
 def input_ids(files: Sequence[str], storage_options: Mapping | None) -> list[dict | None]:
@@ -49,11 +62,12 @@ def input_ids(files: Sequence[str], storage_options: Mapping | None) -> list[dic
     ids: list[dict | None] = []
     for f in files:
         try:
-            if is_url(f):
+            local = local_path(f)
+            if local is None:
                 remote = input_id(f, storage_options)
                 ids.append({"size": remote.size, "tag": [list(t) for t in remote.tag]})
             else:
-                ids.append(local_id(f))
+                ids.append(local_id(local))
         except (OSError, TokenmillError):
             ids.append(None)
     return ids
@@ -78,64 +92,127 @@ def finished_ids(ids: Sequence[dict | None], names: Sequence[str],
     files ``names``, as ``sources`` records them, when the run started), each local file's with
     the xxh3 of its bytes now. A file whose identity changed since must still hold the bytes its
     units read (``digests``, by unit index); else ``records.changed`` (the run fails; its rerun
-    redoes that file's shards)."""
+    redoes that file's shards). A URL with no version field gets the xxh3 of its bytes too."""
     of_file: dict[str, list[int]] = {}
+    urls: dict[str, str] = {}  # a URL with its credentials (names are redacted)
     for i, u in enumerate(units):
         of_file.setdefault(input_name(u.path), []).append(i)
+        urls[input_name(u.path)] = u.path
     out: list[dict | None] = []
     for name, was in zip(names, ids):
-        if was is None or "tag" in was:
-            out.append(was)
-            continue
-        try:
-            content, now = xxh3_file(name), local_id(name)
-        except OSError:
-            raise changed(name, "unreadable now") from None
-        if not same_id(was, now):  # touched, or rewritten: do the bytes still read as they did?
-            if any(unit_digest(units[i], storage_options) != digests.get(i)
-                   for i in of_file.get(name, ())):
-                raise changed(name, "its bytes differ from those its units read")
-            was = now
-        out.append({**was, "xxh3": content})
+        if was is None or ("tag" in was and (versioned(was) or name not in urls)):
+            out.append(was)  # (a URL of no unit holds no document: nothing to compare)
+        elif "tag" in was:
+            out.append({**was, "xxh3": remote_content(urls[name], was, storage_options)})
+        else:
+            out.append(local_content(name, was, {i: units[i] for i in of_file.get(name, ())},
+                                     digests, storage_options))
     return out
+
+
+def local_content(path: str, was: dict, units: Mapping[int, sources.Unit],
+                  digests: Mapping[int, str], storage_options: Mapping | None) -> dict:
+    """A local input's finished record: ``was`` (or its identity now, if its bytes still read as
+    its ``units``, by index, did) with the xxh3 of its bytes; ``records.changed`` if not."""
+    local = local_path(path) or path
+    try:
+        content, now = xxh3_file(local), local_id(local)
+    except OSError:
+        raise changed(path, "unreadable now") from None
+    if not same_id(was, now):  # touched, or rewritten: do the bytes still read as they did?
+        if any(unit_digest(u, storage_options) != digests.get(i) for i, u in units.items()):
+            raise changed(path, "its bytes differ from those its units read")
+        was = now
+    return {**was, "xxh3": content}
+
+
+def versioned(record: Mapping) -> bool:
+    """Whether a URL's recorded ``tag`` names its content (an ETag, a checksum, a generation),
+    not only when it was written."""
+    return any(k not in TIME_FIELDS for k, _ in record.get("tag") or ())
+
+
+def remote_content(url: str, was: dict, storage_options: Mapping | None) -> str:
+    """The xxh3 of the bytes of a URL whose backend reports no version, read once more now;
+    ``records.changed`` if its size or time are no longer those recorded when the run started."""
+    try:
+        how = id_change(remote_id(was), input_id(url, storage_options))
+        content = None if how else xxh3_file(url, storage_options=storage_options)
+    except (OSError, TokenmillError):
+        raise changed(redact(url), "unreadable now") from None
+    if how or content is None:
+        raise changed(redact(url), how or "unreadable now")
+    return content
+
+
+def remote_id(record: Mapping) -> RemoteId:
+    """A URL's recorded identity as ``records.input_id`` gives it."""
+    return RemoteId(record.get("size"), tuple(tuple(t) for t in record.get("tag") or ()))
 
 
 def check_unchanged(manifest: dict, files: Sequence[str], storage_options: Mapping | None,
                     where: str) -> None:
-    """Raise ConfigError naming the first input of the finished store ``manifest`` that changed
-    since it was prepared (see the module docstring); nothing for a store without the record."""
+    """Raise ConfigError naming the inputs of the finished store ``manifest`` that changed since
+    it was prepared, or were added or removed (see the module docstring); nothing for a store
+    without the record."""
     recorded = manifest.get(INPUT_IDS)
     if not isinstance(recorded, list):
         return
     was = dict(zip(manifest.get(SOURCES) or [], recorded))
-    for f in files:
-        old = was.get(input_name(f))
-        if not isinstance(old, dict):
-            continue
-        how = change_of(f, old, storage_options)
-        if how is not None:
-            raise ConfigError(
-                f"{where}: already holds a store prepared from another version of {redact(f)} "
-                f"({how}); pass --overwrite to prepare it again from the input as it is now, "
-                "or choose another --out")
+    names = {input_name(f): f for f in files}
+    parts = [f"added: {listed([f for n, f in names.items() if n not in was])}",
+             f"removed: {listed([n for n in was if n not in names])}"]
+    parts = [p for p in parts if not p.endswith(": ")]
+    if parts:
+        raise ConfigError(
+            f"{where}: already holds a store prepared from other input files ({'; '.join(parts)}); "
+            "pass --overwrite to prepare it again from the inputs as they are now, or choose "
+            "another --out")
+    changes = [f"{redact(f)} ({how})" for n, f in names.items() if isinstance(was[n], dict)
+               and (how := change_of(f, was[n], storage_options)) is not None]
+    if changes:
+        raise ConfigError(
+            f"{where}: already holds a store prepared from another version of {listed(changes)}; "
+            "pass --overwrite to prepare it again from the input as it is now, or choose another "
+            "--out")
+
+
+def listed(items: Sequence[str]) -> str:
+    """The first few of ``items``, in words.
+
+    listed(["a", "b", "c", "d", "e"]) == "a, b, c and 2 more"
+    """
+    more = len(items) - SHOWN
+    return ", ".join(redact(i) for i in items[:SHOWN]) + (f" and {more} more" if more > 0 else "")
 
 
 def change_of(path: str, old: dict, storage_options: Mapping | None) -> str | None:
     """How input ``path`` differs from its recorded identity ``old``, in words; None if it is
     the same file, or the same bytes under another inode or times, or cannot be had now."""
     try:
-        if is_url(path):
-            tag = tuple(tuple(t) for t in old.get("tag") or ())
-            return id_change(RemoteId(old.get("size"), tag), input_id(path, storage_options))
-        now = local_id(path)
+        if "tag" in old:
+            return remote_change(path, old, storage_options)
+        now = local_id(local_path(path) or path)
         if same_id(now, old):
             return None
         if now["size"] != old.get("size"):
-            return f"size {old.get('size')} → {now['size']} bytes"
-        if xxh3_file(path) == old.get("xxh3"):
+            return f"size {old.get('size'):,} → {now['size']:,} bytes"
+        if xxh3_file(local_path(path) or path) == old.get("xxh3"):
             return None  # touched, chmod-ed or copied back: the same bytes
     except (OSError, TokenmillError):
         return None  # unreadable now: its listing or reader says so
     same = "same size and modification time" if now["mtime_ns"] == old.get("mtime_ns") \
         else "same size"
     return f"{same}, other bytes"
+
+
+def remote_change(url: str, old: dict, storage_options: Mapping | None) -> str | None:
+    """How URL ``url`` differs from its record ``old``: its size or version, else (a URL with no
+    version field, whose record holds the xxh3 of its bytes) its bytes read again."""
+    how = id_change(remote_id(old), input_id(url, storage_options))
+    if how is not None or "xxh3" not in old:
+        return how
+    if xxh3_file(url, storage_options=storage_options) == old["xxh3"]:
+        return None
+    fields = " and ".join(k for k, _ in old.get("tag") or ())
+    return f"same size{' and ' + fields if fields else ''}, other bytes"

@@ -110,9 +110,11 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
                          WriterConfig(dtype=token_dtype(tok.vocab_size).name,
                                       shard_tokens=config.shard_tokens, key=key,
                                       overwrite=overwrite, origins=True),
-                         remote=remote, check=input_check(planned, storage_options, progress))
+                         remote=remote, check=input_check(planned, storage_options, progress),
+                         same_inputs=lambda done, where: check_unchanged(done, files,
+                                                                         storage_options, where))
     if writer.manifest is not None:
-        return already_complete(writer, files, storage_options, progress)
+        return already_complete(writer, progress)
     if writer.cursor == (0, 0) and not writer.shards:
         for s in list_skips:
             writer.skips.add(s)
@@ -129,13 +131,11 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
         raise
 
 
-def already_complete(writer: StoreWriter, files: Sequence[str], storage_options,
-                     progress: bool | None) -> dict:
-    """The manifest of the store the output already holds, once its inputs are found unchanged
-    since it was prepared (``prepare.identity``: else a ConfigError naming the one that changed)."""
+def already_complete(writer: StoreWriter, progress: bool | None) -> dict:
+    """The manifest of the store the output already holds (its inputs found unchanged since it
+    was prepared, ``prepare.identity``, by the writer: else a ConfigError naming them)."""
     done = writer.manifest
     writer.close()
-    check_unchanged(done, files, storage_options, writer.where)
     report(f"{writer.where}: already complete ({done['num_documents']:,} documents, "
            f"{done['num_tokens']:,} tokens)", progress)
     return done

@@ -31,7 +31,7 @@ from tokenmill.prepare.split import check_holdout, keep_side, text_hashes, texts
 from tokenmill.textfields import text_extensions, text_keys
 from tokenmill.prepare.transform import (sample_records, transform_identity, transform_spec,
                                          transformed)
-from tokenmill.records import Doc, LineCount, unit_format
+from tokenmill.records import Doc, LineCount, local_path, unit_format
 from tokenmill.tokenizer import Tokenizer, encode_documents, load_tokenizer, token_dtype
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB uint16 shards
@@ -229,18 +229,20 @@ def unit_digest(unit: sources.Unit, storage_options: Mapping | None = None) -> s
 
     A byte range of a text file: those bytes. Any other unit (a whole file, row groups, part of
     a compressed stream): the whole file, once, for the unit that starts at 0 — the others
-    return None. A URL: fsspec's ``ukey`` (ETag or size and time). None if it cannot be read.
+    return None. A URL (not ``file://``): fsspec's ``ukey`` (ETag or size and time). None if it
+    cannot be read.
     """
     h = xxhash.xxh3_64(f"{input_name(unit.path)}\t{unit.start}\t{unit.stop}\n".encode())
     byte_range = unit_format(unit) in ("jsonl", "txt") and unit.stop != -1
     if not byte_range and unit.start != 0:
         return None
     try:
-        if is_url(unit.path):
+        local = local_path(unit.path)  # a file:// URL's bytes are read, as a path's
+        if local is None:
             fs, p = filesystem(unit.path, storage_options)
             h.update(str(fs.ukey(p)).encode())
             return h.hexdigest()
-        with open(unit.path, "rb") as f:
+        with open(local, "rb") as f:
             f.seek(unit.start if byte_range else 0)
             left = unit.stop - unit.start if byte_range else None
             while chunk := f.read(CHUNK if left is None else min(CHUNK, left)):

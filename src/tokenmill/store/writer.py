@@ -44,7 +44,7 @@ from tokenmill import sources
 from tokenmill.errors import (ConcurrentWriterError, ConfigError, InputError, StoreError,
                               os_error_text)
 from tokenmill.io import (atomic_write_json, json_bytes, list_sizes, lock_file, redact,
-                          unlock, xxh3_file)
+                          special_kind, unlock, xxh3_file)
 from tokenmill.store.format import (MANIFEST, SHARD_EXTS, SHARD_FILE, Origins, build_manifest,
                                     parse_manifest, shard_files, shard_name)
 from tokenmill.store.shards import MAX_EXAMPLES, ShardInfo, ShardWriter, SkipLog
@@ -113,6 +113,20 @@ def describe_change(old: dict, new: dict) -> str:
     return redact("; ".join(parts)) or "nothing"
 
 
+def not_a_folder(out: Path, where: str, error: OSError) -> str:
+    """Why the output ``out`` could not be made a folder (``error``), and what to do, in words."""
+    if out.is_symlink() and not out.exists():
+        return (f"{where}: is a symbolic link to {os.readlink(out)}, which does not exist; the "
+                "output must be a folder to write in: create the folder it points to, or choose "
+                "another --out")
+    what = ("a file" if out.is_file() else special_kind(out.stat().st_mode)
+            if out.exists() and not out.is_dir() else None)
+    if what is None:
+        return f"{os_error_text(error)}; the output must be a folder to write in"
+    return (f"{where}: is {what}, not a folder; the output must be a folder to write in: move it "
+            "away, or choose another --out")
+
+
 # ---- the one resumable writer -------------------------------------------------------------------
 
 
@@ -132,11 +146,14 @@ class StoreWriter:
 
     ``manifest`` is set when the output already holds this very store (nothing to do).
     ``check(record)``: False drops that committed shard and all after it (input changed).
+    ``same_inputs(manifest, where)``: raises if a finished store's inputs changed since (asked
+    before its settings are compared, which some input changes alter too); not under overwrite.
     """
 
     def __init__(self, out: str | os.PathLike, config: WriterConfig, *,
-                 remote: RemoteOut | None = None, check: Callable[[dict], bool] | None = None):
-        self.config, self.remote = config, remote
+                 remote: RemoteOut | None = None, check: Callable[[dict], bool] | None = None,
+                 same_inputs: Callable[[dict, str], None] | None = None):
+        self.config, self.remote, self.same_inputs = config, remote, same_inputs
         self.out = Path(out)  # the store, or the local staging folder of a URL output
         self.where = redact(remote.url if remote else str(self.out))
         self.pdir = self.out / PROGRESS
@@ -157,8 +174,7 @@ class StoreWriter:
             self.out.mkdir(parents=True, exist_ok=True)
             self._lock = take_lock(self.out, self.where)
         except OSError as e:
-            why = f"{self.where}: is a file, not a folder" if self.out.is_file() else os_error_text(e)
-            raise StoreError(f"{redact(why)}; the output must be a folder to write in") from None
+            raise StoreError(redact(not_a_folder(self.out, self.where, e))) from None
         try:
             self._lease = Lease(remote, self.where) if remote is not None else None
             self.manifest = self._existing_store()
@@ -228,6 +244,8 @@ class StoreWriter:
                              "--out") from None
         listed = {f for s in manifest["shards"] for f in shard_files(s)}
         self._refuse_strays(ours | listed)
+        if self.same_inputs is not None and not self.config.overwrite:
+            self.same_inputs(manifest, self.where)
         settings = manifest.get("settings")
         if settings == self.config.key["settings"] and not self.config.overwrite:
             self._clear_progress()
