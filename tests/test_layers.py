@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
      "tokenmill.pacing", "tokenmill.ring", "tokenmill.watch", "tokenmill.options",
      "tokenmill.segments", "tokenmill.lifetime", "tokenmill.ranks"),
     ("tokenmill.records", "tokenmill.jsonl", "tokenmill.readers", "tokenmill.columnar", "tokenmill.tabular",
-     "tokenmill.splits", "tokenmill.decompress", "tokenmill.sources", "tokenmill.fastbpe",
+     "tokenmill.splits", "tokenmill.decompress", "tokenmill.walk", "tokenmill.sources", "tokenmill.fastbpe",
      "tokenmill.tokenizer_files", "tokenmill.tokenizer", "tokenmill.pack", "tokenmill.rows",
      "tokenmill.attention", "tokenmill.balance", "tokenmill.cpsplit", "tokenmill.seqlens",
      "tokenmill.mixture"),

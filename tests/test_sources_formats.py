@@ -468,7 +468,7 @@ def test_hf_dataset_lists_its_data_files_by_split(hub, tmp_path):
         list_inputs("hf://datasets/org/corpus")
     listing = list_inputs("hf://datasets/org/corpus", split="train")
     assert listing.files == [f"hf://datasets/org/corpus/data/train-0000{i}-of-00002.parquet" for i in (0, 1)]
-    assert listing.ignored.summary() == "1 (no extension), 1 .md"  # .gitattributes, README.md
+    assert listing.ignored.summary() == "1 .md, 1 hidden"  # README.md, .gitattributes
     assert list(read_documents("hf://datasets/org/corpus/", SourceConfig(split="validation"))) \
         == texts["validation"] == list(read_documents("hf://datasets/org/corpus/data/validation-*.parquet"))
 

@@ -18,7 +18,8 @@ ends in ``.arrow``, and no metadata ``.json`` (``dataset_info.json``, …); a fi
 always taken. A folder holding several splits (a ``DatasetDict``: one dataset per split; a Hub
 dataset's ``data/train-*.parquet``, ``data/validation-*``) needs ``split`` (``--split``), or a
 split named as ``dir/train``: see ``tokenmill.splits``. What a walk or glob passes over
-(unsupported types, loose ``.arrow`` files) is counted by extension: ``Ignored``.
+(unsupported types, loose ``.arrow`` files) is counted by extension: ``Ignored``. Hidden names,
+links to folders and files reached twice: one rule for walks and globs, ``tokenmill.walk``.
 
 Work units (see ``tokenmill.readers`` for the byte-range rules). A plain ``.jsonl``, or a ``.txt``
 in lines/paragraphs mode, is cut into byte ranges of about ``unit_bytes``; a range owns the records
@@ -40,24 +41,23 @@ trailing newlines are common. A UTF-8 byte-order mark is dropped in line-based m
 from __future__ import annotations
 
 import errno
-import glob as globlib
 import json
 import os
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any, NamedTuple
 
-from tokenmill import columnar, readers, splits, tabular
+from tokenmill import columnar, readers, splits, tabular, walk
 from tokenmill.decompress import StreamPayloads
 from tokenmill.errors import ConfigError, InputError, TokenmillError
-from tokenmill.io import file_size, filesystem, is_url, read_bytes, special_kind
+from tokenmill.io import file_size, filesystem, is_url, read_bytes
 from tokenmill.records import (COMPRESSED, EXTENSIONS, FORMATS, LONG_DOCUMENT, REASONS, Doc,
                                LineCount, SameInput, Skip, SourceConfig, Unit, check_policy,
                                describe, format_of, format_or_none, io_errors, planned_id,
                                problem, unit_format, web_path)
+from tokenmill.walk import Ignored, Passed
 
 __all__ = ["DATASET_STATE", "Doc", "FORMATS", "Ignored", "Listing", "REASONS", "Skip", "SourceConfig",
            "Unit", "dataset_files", "format_of", "list_files", "list_inputs", "needs_payload",
@@ -70,61 +70,9 @@ _WARNED: set[str] = set()
 _WARNED_LONG: set[str] = set()  # files with a document over LONG_DOCUMENT characters, warned once
 
 
-@dataclass(frozen=True)
-class Ignored:
-    """Files a directory walk or a glob passed over, counted by extension, with a few examples.
-
-    str(Ignored.of(["d/a.md", "d/b.md", "d/c.csv"])) == "ignored 3 files: 2 .md, 1 .csv (e.g. d/a.md, d/b.md, d/c.csv)"
-    """
-
-    counts: tuple[tuple[str, int], ...] = ()  # (".md", 2), most common first
-    examples: tuple[str, ...] = ()  # the first three paths, sorted
-
-    @classmethod
-    def of(cls, paths: Sequence[str]) -> Ignored:
-        """The record of these passed-over paths."""
-        exts = Counter(_label(p) for p in paths)
-        return cls(tuple(sorted(exts.items(), key=lambda kv: (-kv[1], kv[0]))),
-                   tuple(sorted(paths)[:3]))
-
-    @property
-    def total(self) -> int:
-        """How many files were passed over."""
-        return sum(n for _, n in self.counts)
-
-    def __bool__(self) -> bool:
-        return bool(self.counts)
-
-    def summary(self) -> str:
-        """The counts alone: "2 .md, 1 .csv"."""
-        return ", ".join(f"{n} {ext}" for ext, n in self.counts)
-
-    def __str__(self) -> str:
-        if not self:
-            return "ignored 0 files"
-        n = self.total
-        return f"ignored {n} file{'s' * (n != 1)}: {self.summary()} (e.g. {', '.join(self.examples)})"
-
-
-def _label(path: str) -> str:
-    """How Ignored counts a path: what it is, if a walk passed it over for not being a regular
-    file ("named pipe (FIFO)"), else its extension (".md", "(no extension)")."""
-    kind = _special(path) if format_or_none(path) else None  # others were passed for their name
-    return kind.removeprefix("a ") if kind else (
-        os.path.splitext(path.rstrip("/").rpartition("/")[2])[1].lower() or "(no extension)")
-
-
-def _special(path: str) -> str | None:
-    """What a local path is if not a regular file, or a link to one (a FIFO, a socket, a device,
-    a directory), in words; None for a regular file, a URL or a path that cannot be read."""
-    try:
-        return None if is_url(path) else special_kind(os.stat(path).st_mode)
-    except OSError:
-        return None
-
-
 class Listing(NamedTuple):
-    """What inputs stand for: files to read (sorted, unique), skipped patterns, passed-over files."""
+    """What inputs stand for: files to read (sorted, each file once), skipped patterns, what was
+    passed over (files by type, hidden names, repeats: tokenmill.walk)."""
 
     files: list[str]
     skips: list[Skip]
@@ -139,23 +87,24 @@ def list_inputs(inputs: str | os.PathLike | Sequence[str | os.PathLike], *, on_e
     check_policy(on_error)
     text_ext = SourceConfig(split=split, text_ext=text_ext).text_ext  # checks them
     patterns = [os.fspath(inputs)] if isinstance(inputs, (str, os.PathLike)) else list(map(os.fspath, inputs))
-    files, skips, passed = set(), [], []
+    files, skips, passed = set(), [], Passed()
     for pattern in patterns:
-        before = len(passed)
+        before, hidden = len(passed), len(passed.hidden)
         found = (_expand_url(pattern, storage_options, passed, text_ext) if is_url(pattern)
                  else _expand_local(pattern, passed, text_ext))
         found = _of_split(pattern, found, split, storage_options)
         if not found:
-            here = Ignored.of(passed[before:])
+            here = Ignored.of(passed[before:], passed.hidden[hidden:])
             detail = _no_match_detail(pattern) + (f"; found only {here.summary()}" if here else "")
             skips.append(problem(pattern, on_error, "file", "no_match", detail))
         files.update(found)
-    ignored = Ignored.of(sorted(set(passed)))
+    files = walk.distinct(files, passed)  # a file reached twice is read once (tokenmill.walk)
+    ignored = Ignored.of(sorted(set(passed)), passed.hidden, passed.repeats)
     if not files:
         raise InputError(f"no input file matched: {', '.join(patterns) or '(no inputs)'}; "
                          f"supported files end in {', '.join(EXTENSIONS)}"
                          + (f"; {ignored}" if ignored else ""), reason="no_match")
-    return Listing(sorted(files), skips, ignored)
+    return Listing(files, skips, ignored)
 
 
 def list_files(inputs: str | os.PathLike | Sequence[str | os.PathLike],
@@ -381,15 +330,17 @@ def _expand_local(pattern: str, passed: list[str], text_ext=()) -> list[str]:
         format_of(pattern, text_ext)  # raises for an unsupported type
         _refuse_special(pattern)
         return [os.path.normpath(pattern)]
-    matches = globlib.glob(pattern, recursive=True)
-    found = [f for m in matches if os.path.isdir(m) for f in _walk(m, passed, text_ext)]
+    matches = walk.glob(pattern, passed)
+    folders = walk.outermost(m for m in matches if os.path.isdir(m))  # d/**: walk d once
+    found = [f for m in folders for f in _walk(m, passed, text_ext)]
     files = [os.path.normpath(m) for m in matches if not os.path.isdir(m)]
     return found + _regular(_taken(files, pattern.lower().endswith(".arrow"), passed, text_ext), passed)
 
 
-def _walk(root: str, passed: list[str], text_ext=()) -> list[str]:
+def _walk(root: str, passed: Passed, text_ext=()) -> list[str]:
+    """The files a folder walk takes (tokenmill.walk: hidden names skipped, each folder once)."""
     found = []
-    for d, dirs, names in os.walk(root):
+    for d, dirs, names in walk.walk(root, passed):
         if (data := dataset_files(d)) is not None:
             found += data
             dirs.clear()  # a dataset's folder holds nothing else to read
@@ -405,14 +356,14 @@ def _walk(root: str, passed: list[str], text_ext=()) -> list[str]:
 def _regular(paths: list[str], passed: list[str]) -> list[str]:
     """The paths that are regular files (or links to one); the others (a FIFO would block its
     reader for ever, a device never ends) are added to ``passed``, never opened."""
-    special = [_special(p) for p in paths]
+    special = [walk.special(p) for p in paths]
     passed += [p for p, s in zip(paths, special) if s]
     return [p for p, s in zip(paths, special) if not s]
 
 
 def _refuse_special(path: str, kind: str | None = None) -> None:
     """An input named explicitly that is not a regular file is an InputError saying what it is."""
-    if kind := kind or _special(path):
+    if kind := kind or walk.special(path):
         raise InputError(f"{path}: is {kind}, not a regular file; tokenmill reads files: write "
                          "its data to a file and name that", path=path, where="file",
                          reason="unreadable")
@@ -465,13 +416,14 @@ def _expand_url(url: str, storage_options, passed: list[str], text_ext=()) -> li
                 if infos[root]["type"] == "other":  # fsspec's local files: a FIFO, a device
                     _refuse_special(url, "a special file (a FIFO, a socket or a device)")
         arrow_ok = _has_magic(web_path(root)) and web_path(root).lower().endswith(".arrow")
-        found, skipped = [], []
+        found, skipped = [], Passed()
         for path, info in infos.items():
             if info["type"] == "directory":
                 found += _walk_fs(fs, path, skipped, text_ext)
             else:
                 found += _taken([path], arrow_ok, skipped, text_ext)
         passed += [fs.unstrip_protocol(p) for p in skipped]
+        passed.hidden += [fs.unstrip_protocol(p) for p in skipped.hidden]
         return [fs.unstrip_protocol(p) for p in found]
     except ConfigError:
         raise  # a missing fsspec backend: its message says what to install
@@ -485,9 +437,13 @@ def _expand_url(url: str, storage_options, passed: list[str], text_ext=()) -> li
                          reason="unreadable") from e
 
 
-def _walk_fs(fs, root: str, passed: list[str], text_ext=()) -> list[str]:
-    """_walk on an fsspec filesystem: dataset folders give their data files, nothing else."""
+def _walk_fs(fs, root: str, passed: Passed, text_ext=()) -> list[str]:
+    """_walk on an fsspec filesystem: dataset folders give their data files, nothing else;
+    hidden names are passed over (tokenmill.walk's rule)."""
     infos = fs.find(root, detail=True)
+    hidden = {p: walk.hidden_part(root, p) for p in infos}  # the rule of local walks
+    passed.hidden += sorted({h for h in hidden.values() if h})
+    infos = {p: info for p, info in infos.items() if not hidden[p]}
     files = [p for p, info in infos.items() if info.get("type") != "other"]
     passed += [p for p, info in infos.items() if info.get("type") == "other"]  # a local FIFO…
     datasets = {}

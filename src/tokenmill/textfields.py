@@ -105,13 +105,13 @@ def kind(value) -> str:
 
 
 def ignored_note(ignored) -> str:
-    """The note on the files a walk passed over (a ``sources.Ignored``), with the flag that
-    reads their extensions as text."""
+    """The note on what a walk passed over (a ``sources.Ignored``: files by type, hidden names,
+    repeats), with the flag that reads their extensions as text."""
     exts = sorted((e for e, _ in ignored.counts if e.startswith(".") or e == "(no extension)"),
                   key=lambda e: e == "(no extension)")[:6]  # '' last: --text-ext md,''
     flag = ",".join("''" if e == "(no extension)" else e[1:] for e in exts)
-    return (f"note: {ignored}; prepare reads regular files of .txt, .jsonl[.gz|.zst], "
-            ".json[.gz|.zst], .csv, .tsv, .parquet, .arrow"
+    return (f"note: {ignored}" + ("; prepare reads regular files of .txt, .jsonl[.gz|.zst], "
+                                 ".json[.gz|.zst], .csv, .tsv, .parquet, .arrow" if ignored.counts else "")
             + (f"; --text-ext {flag} reads them as plain text (text_ext= in Python)" if exts else ""))
 
 

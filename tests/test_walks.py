@@ -1,0 +1,106 @@
+"""How inputs are found, as a user meets it (issue 22, class 3: every record read once, or counted).
+
+Real `tokenmill prepare` processes (python -m tokenmill) on real folders holding real symbolic
+links, a git checkout's hidden files and folders; the store's exact documents and the note. One
+rule for walks and globs (tokenmill.walk): hidden names are passed over and counted, a link to a
+folder is followed, each folder walked once (a link loop never recurses), each file read once.
+"""
+
+import os
+import subprocess
+import sys
+
+from conftest import docs_of, write_jsonl
+from tokenmill import Loader
+
+
+def prepare(tmp_path, *args):
+    return subprocess.run([sys.executable, "-m", "tokenmill", "prepare", *map(str, args),
+                           "--workers", "1"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+
+
+def texts(store) -> list[str]:
+    """The store's documents as text (bytes tokenizer: ids < 256, then EOS)."""
+    return [bytes(d[:-1]).decode() for d in docs_of(store)]
+
+
+def note(r) -> str:
+    return next(line for line in r.stderr.splitlines() if line.startswith("note: "))
+
+
+def test_a_link_to_a_folder_is_read_and_a_link_loop_never_recurses(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "shared").mkdir()
+    write_jsonl(tmp_path / "data" / "a.jsonl", ["a1", "a2"])
+    write_jsonl(tmp_path / "shared" / "b.jsonl", ["b1"])
+    (tmp_path / "data" / "more").symlink_to("../shared")  # a folder linked in: read
+    (tmp_path / "data" / "loop").symlink_to("..")  # leads back above data: never entered
+    r = prepare(tmp_path, "data", "--out", "store")
+    assert r.returncode == 0, r.stderr
+    assert texts(tmp_path / "store") == ["a1", "a2", "b1"]  # before: b1 silently not read
+    assert note(r) == (f"note: dropped 1 repeat (a file or folder reached again by another path, "
+                       f"read once: data/loop/ = {tmp_path.resolve()}/)")
+
+
+def test_a_glob_through_a_link_loop_reads_each_file_once(tmp_path):
+    (tmp_path / "d3" / "sub").mkdir(parents=True)
+    write_jsonl(tmp_path / "d3" / "sub" / "x.jsonl", ["x"])
+    write_jsonl(tmp_path / "d3" / "y.jsonl", ["y"])
+    (tmp_path / "d3" / "loop").symlink_to("..")
+    r = prepare(tmp_path, "d3/**/*.jsonl", "--out", "store")
+    assert r.returncode == 0, r.stderr
+    assert texts(tmp_path / "store") == ["x", "y"]  # before: each read 40 times down loop/d3/loop/…
+    assert note(r) == (f"note: dropped 1 repeat (a file or folder reached again by another path, "
+                       f"read once: d3/loop/ = {tmp_path.resolve()}/)")
+
+
+def test_a_latest_link_and_two_spellings_of_one_file_give_its_documents_once(tmp_path):
+    (tmp_path / "d5" / "v3").mkdir(parents=True)
+    write_jsonl(tmp_path / "d5" / "v3" / "a.jsonl", ["one", "two"])
+    (tmp_path / "d5" / "latest").symlink_to("v3")
+    r = prepare(tmp_path, "d5/**/*.jsonl", "--out", "glob")
+    assert r.returncode == 0, r.stderr
+    assert texts(tmp_path / "glob") == ["one", "two"]  # before: one, two, one, two
+    assert note(r) == ("note: dropped 1 repeat (a file or folder reached again by another path, "
+                       "read once: d5/latest/ = d5/v3/)")  # the folder itself kept, not the link
+    r = prepare(tmp_path, "d5/v3/a.jsonl", tmp_path / "d5" / "latest" / "a.jsonl", "--out", "named")
+    assert r.returncode == 0, r.stderr
+    assert texts(tmp_path / "named") == ["one", "two"]
+    assert note(r) == ("note: dropped 1 repeat (a file or folder reached again by another path, "
+                       f"read once: d5/v3/a.jsonl = {tmp_path}/d5/latest/a.jsonl)")
+
+
+GIT = {".env": "SECRET=hunter2\n", ".git/config": "[core]\n", ".git/HEAD": "ref: refs/heads/main\n",
+       ".git/logs/HEAD": "0000 1111 a <a@b> commit\n", ".github/ci.md": "# CI\n",
+       "README": "read me\n", "guide.md": "# Guide\n", "api.rst": "API\n---\n"}
+
+
+def test_hidden_files_and_folders_of_a_checkout_are_passed_over_and_said(tmp_path):
+    for name, text in GIT.items():
+        (tmp_path / "docs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "docs" / name).write_text(text)
+    (tmp_path / "docs" / ".ipynb_checkpoints").mkdir()
+    write_jsonl(tmp_path / "docs" / ".ipynb_checkpoints" / "x.jsonl", ["a stale copy"])
+    r = prepare(tmp_path, "docs", "--out", "store", "--text-ext", "md,rst,''", "--on-error", "skip")
+    assert r.returncode == 0, r.stderr
+    assert texts(tmp_path / "store") == ["read me\n", "API\n---\n", "# Guide\n"]  # before: .env, .git/…
+    assert note(r) == ("note: ignored 4 hidden (names starting with '.', e.g. docs/.env, docs/.git/, "
+                       "docs/.github/; name one to read it)")
+    r = prepare(tmp_path, "docs/.env", "--out", "named", "--text-ext", "''")
+    assert r.returncode == 0, r.stderr
+    assert texts(tmp_path / "named") == [GIT[".env"]]  # named explicitly: the user asked for it
+
+
+def test_a_stream_lists_inputs_by_the_same_rule(tmp_path):
+    (tmp_path / "data" / ".cache").mkdir(parents=True)
+    (tmp_path / "v2").mkdir()
+    write_jsonl(tmp_path / "data" / "a.jsonl", ["aaaa"])
+    write_jsonl(tmp_path / "data" / ".cache" / "a.jsonl", ["stale"])
+    write_jsonl(tmp_path / "v2" / "b.jsonl", ["bbbb"])
+    (tmp_path / "data" / "v2").symlink_to("../v2")
+    (tmp_path / "data" / "loop").symlink_to(".")
+    with Loader.from_text([str(tmp_path / "data"), str(tmp_path / "v2" / "b.jsonl")], tokenizer="bytes",
+                          seq_len=4, batch_size=1, cache_dir=tmp_path / "cache", num_workers=0) as ld:
+        assert [u.path for u in ld.plan.units] == [str(tmp_path / p) for p in ("data/a.jsonl",
+                                                                                 "data/v2/b.jsonl")]
