@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import pickle
+import shutil
 import struct
 import subprocess
 import sys
@@ -351,6 +352,51 @@ def test_cli_export_of_a_split_writes_train_val_and_meta(tmp_path):
     r = subprocess.run(tm + ["export", str(tmp_path / "s"), "--format", "nanogpt", "--out",
                              str(tmp_path / "train.bin")], capture_output=True, text=True)
     assert r.returncode == 2 and "--out names that folder" in r.stderr and not (tmp_path / "train.bin").exists()
+
+
+def _tm(*args) -> subprocess.CompletedProcess:
+    """`tokenmill ARGS` as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "tokenmill", *map(str, args)], capture_output=True,
+                          text=True)
+
+
+@pytest.mark.parametrize("vocab", ["abc", "258", None, True, 258.0, 0])
+def test_a_manifest_whose_vocab_size_is_no_positive_int_is_refused_by_every_reader(tmp_path, vocab):
+    from tokenmill.store import atomic_write_json, manifest_checksum, store_fingerprint
+    write_jsonl(tmp_path / "c.jsonl", [f"document {i}" for i in range(20)])
+    assert _tm("prepare", tmp_path / "c.jsonl", "--out", tmp_path / "s", "--tokenizer", "bytes",
+               "--workers", "1").returncode == 0
+    path = tmp_path / "s" / "manifest.json"  # edited, its checksum made to hold again
+    m = json.loads(path.read_text())
+    m["tokenizer"]["vocab_size"] = vocab
+    m["fingerprint"] = store_fingerprint(m)
+    m["manifest_xxh3"] = manifest_checksum(m)
+    atomic_write_json(path, m)
+    want = f"{path}: the tokenizer's vocab_size {vocab!r} is not a positive integer"
+    for cmd in (["export", tmp_path / "s", "--format", "nanogpt", "--out", tmp_path / "o" / "train.bin"],
+                ["inspect", tmp_path / "s"]):
+        r = _tm(*cmd)
+        assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "o").exists()
+    r = _tm("verify", tmp_path / "s")
+    assert r.returncode == 1 and want in r.stdout + r.stderr
+    with pytest.raises(StoreError, match="is not a positive integer"):
+        Loader(tmp_path / "s", seq_len=4, batch_size=2)
+
+
+@pytest.mark.parametrize("flag,setting", [("--no-eos", "add_eos"), ("--bos", "add_bos")])
+def test_export_of_a_split_whose_sides_end_documents_differently_is_refused(tmp_path, flag, setting):
+    write_jsonl(tmp_path / "c.jsonl", [f"document {i}" for i in range(100)])
+    for out, more in (("a", ()), ("b", (flag,))):
+        r = _tm("prepare", tmp_path / "c.jsonl", "--out", tmp_path / out, "--tokenizer", "bytes",
+                "--val-fraction", "0.2", "--workers", "1", *more)
+        assert r.returncode == 0, r.stderr
+    shutil.rmtree(tmp_path / "a" / "val")
+    shutil.copytree(tmp_path / "b" / "val", tmp_path / "a" / "val")  # val/ of the other run
+    r = _tm("export", tmp_path / "a", "--format", "nanogpt", "--out", tmp_path / "data")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"its train/ and val/ were prepared with other '{setting}' settings" in r.stderr
+    assert not (tmp_path / "data").exists()
 
 
 def test_export_nanogpt_int32(tmp_path, monkeypatch):

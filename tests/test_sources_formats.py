@@ -344,6 +344,28 @@ def test_a_text_key_named_twice_is_refused_or_skipped_never_one_kept(tmp_path, l
     assert [e["where"] for e in manifest["skipped"]["examples"]] == [where]
 
 
+# "text" named again with escapes, as a writer may spell it: one \u escape, all, upper-case hex
+ESCAPED_TWICE = ['{"text": "AAA", "\\u0074ext": "BBB"}', '{"\\u0074\\u0065\\u0078\\u0074": "BBB", "text": "AAA"}',
+                 '{"text": "AAA", "te\\u0058t": "x", "t\\u0065xt": "BBB"}']
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "jsonl.gz"])
+def test_a_text_key_named_again_with_escapes_is_refused_or_skipped(tmp_path, layout):
+    import gzip
+    records = ['{"text": "caf\\u00e9 \\ud83d\\ude80"}', *ESCAPED_TWICE, '{"text": "last"}']
+    data = "".join(r + "\n" for r in records).encode()
+    path = tmp_path / f"data.{layout}"
+    path.write_bytes(gzip.compress(data) if layout.endswith(".gz") else data)
+    err = refused(path, cwd=tmp_path)
+    assert f"{path}:2: malformed JSON (key 'text' is named twice" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    got = prepared(path, "--on-error", "skip", cwd=tmp_path)
+    assert got == ["caf\u00e9 \U0001f680", "last"]  # the \u escapes of a value are read as ever
+    manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
+    assert manifest["skipped"]["by_reason"] == {"malformed_json": 3}
+    assert [e["where"] for e in manifest["skipped"]["examples"]] == ["line 2", "line 3", "line 4"]
+
+
 def test_each_joined_text_key_named_twice_is_refused(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text('{"title": "t", "body": "b1", "body": "b2"}\n')

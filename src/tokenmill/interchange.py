@@ -364,6 +364,23 @@ def check_split(store, sides: dict[str, str]) -> None:
             raise ConfigError(f"{store}: its train/ and val/ are not the two sides of one split "
                               f"(sides and fractions: {got}); prepare both with one --val-fraction run")
         check_accounts(t.manifest, v.manifest)
+        check_token_settings(store, t.manifest, v.manifest)
+
+
+# the settings that decide a document's tokens besides the tokenizer (checked above)
+TOKEN_SETTINGS = ("add_bos", "add_eos", "bos", "eos")
+
+
+def check_token_settings(store, train: dict, val: dict) -> None:
+    """Refuse a split whose train and val manifests made a document's tokens differently
+    (one side with EOS, the other without: val.bin would not be train.bin's kind of stream)."""
+    a, b = train.get("settings") or {}, val.get("settings") or {}
+    for key in TOKEN_SETTINGS:
+        if a.get(key) != b.get(key):
+            raise ConfigError(f"{store}: its train/ and val/ were prepared with other '{key}' "
+                              f"settings (train {a.get(key)!r}, val {b.get(key)!r}): their "
+                              "documents end differently; prepare both with one --val-fraction "
+                              "run")
 
 
 def _export_file(store, out: Path, format: str, tokenizer, progress) -> dict:

@@ -409,7 +409,19 @@ def parse_manifest(data: bytes | str, where: str) -> dict:
         raise StoreError(f"{where}: checksum mismatch: the manifest was changed or is damaged; "
                          "run 'tokenmill verify', then 'tokenmill prepare' again")
     check_shard_names(manifest, where)
+    check_vocab_size(manifest, where)
     return manifest
+
+
+def check_vocab_size(manifest: dict, where: str) -> None:
+    """Raise StoreError unless the manifest's tokenizer is a record whose vocab_size is an int
+    >= 1 (not a bool, float or string): every reader sizes arrays and checks ids by it."""
+    tok = manifest["tokenizer"]
+    vocab = tok.get("vocab_size") if isinstance(tok, dict) else None
+    if type(vocab) is not int or vocab < 1:
+        shown = f"vocab_size {vocab!r}" if isinstance(tok, dict) else f"tokenizer {tok!r}"
+        raise StoreError(f"{where}: the tokenizer's {shown} is not a positive integer; the "
+                         "manifest is corrupt or was edited — run 'tokenmill prepare' again")
 
 
 def read_manifest(path: str | os.PathLike, *, storage_options: dict | None = None) -> dict:
