@@ -700,3 +700,45 @@ def test_a_streamed_pass_ends_as_the_pass_read_from_its_complete_cache(tmp_path)
         for k in range(n // s["batch_size"] - 8, steps[s["batch_size"]] - 1):
             got = next(reruns)
             assert got["batches"] == first["batches"][k + 1:], f"{s}: resumed after step {k}"
+
+
+REWRITE_SCRIPT = """
+import sys
+import numpy as np
+from tokenmill import Loader
+loader = Loader.from_text(sys.argv[1], seq_len=16, batch_size=4, cache_dir=sys.argv[2],
+                          num_workers=0, shuffle_buffer=1)
+ids = np.concatenate([np.asarray(b["inputs"]).ravel() for _, b in zip(range(60), loader)])
+loader.close()
+sys.stdout.write(bytes(int(t) for t in ids if t < 256).decode())
+"""
+
+
+def test_a_finished_cache_of_an_input_rewritten_under_the_same_size_and_mtime_is_not_reused(
+        tmp_path):
+    # before: the cache key hashes sizes and mtimes only, so the second run read the old text
+    # back from the finished cache, with no message
+    data = tmp_path / "x.jsonl"
+    data.write_text("".join(json.dumps({"text": f"doc{i:02} lorem ipsum dolor"}) + "\n"
+                            for i in range(40)))
+    script, cache = tmp_path / "run.py", tmp_path / "cache"
+    script.write_text(REWRITE_SCRIPT)
+
+    def run():
+        res = run_script(script, data, cache)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return res
+
+    first = run()  # the whole pass and into epoch 1: the cache is finished
+    assert "lorem" in first.stdout and "LOREM" not in first.stdout
+    assert [p.name for p in cache.glob("stream-*/manifest.json")] == ["manifest.json"]
+    st = data.stat()
+    data.write_bytes(data.read_bytes().replace(b"lorem", b"LOREM"))
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
+    second = run()
+    assert "LOREM" in second.stdout and "lorem" not in second.stdout
+    assert f"{data} (same size and modification time, other bytes)" in second.stderr
+    assert len(list(cache.glob("stream-*/manifest.json"))) == 2  # the old cache stays as it was
+    third = run()  # the new cache is reused, read back with no tokenizing
+    assert third.stdout == second.stdout
+    assert len(list(cache.glob("stream-*/manifest.json"))) == 2

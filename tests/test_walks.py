@@ -104,3 +104,42 @@ def test_a_stream_lists_inputs_by_the_same_rule(tmp_path):
                           seq_len=4, batch_size=1, cache_dir=tmp_path / "cache", num_workers=0) as ld:
         assert [u.path for u in ld.plan.units] == [str(tmp_path / p) for p in ("data/a.jsonl",
                                                                                  "data/v2/b.jsonl")]
+
+
+def file_url_tree(tmp_path):
+    """d/: a.jsonl, .cache/h.jsonl (hidden), more -> ../shared (a folder link) holding b.jsonl."""
+    (tmp_path / "d" / ".cache").mkdir(parents=True)
+    (tmp_path / "shared").mkdir()
+    write_jsonl(tmp_path / "d" / "a.jsonl", ["a"])
+    write_jsonl(tmp_path / "d" / ".cache" / "h.jsonl", ["hidden"])
+    write_jsonl(tmp_path / "shared" / "b.jsonl", ["b"])
+    (tmp_path / "d" / "more").symlink_to("../shared")
+    return (tmp_path / "d").as_uri()
+
+
+def test_a_file_url_walk_or_glob_follows_the_rule_of_local_walks(tmp_path):
+    # before: a file:// input went through fsspec's listing: the walk skipped the folder link,
+    # the glob read the hidden .cache/ file and not the link, with no note
+    url = file_url_tree(tmp_path)
+    for i, spelled in enumerate([url, url + "/**/*.jsonl",
+                                 "file://localhost" + url.removeprefix("file://"),
+                                 "file:" + url.removeprefix("file://")]):
+        r = prepare(tmp_path, spelled, "--out", f"store{i}", "--tokenizer", "bytes")
+        assert r.returncode == 0, r.stderr
+        assert texts(tmp_path / f"store{i}") == ["a", "b"], spelled
+        assert "1 hidden" in note(r) and "d/.cache/" in note(r), (spelled, r.stderr)
+
+
+def test_a_file_named_as_a_path_and_as_a_file_url_is_read_once(tmp_path):
+    # before: its documents twice (a URL was never compared with a path)
+    write_jsonl(tmp_path / "x.jsonl", ["one", "two"])
+    r = prepare(tmp_path, tmp_path / "x.jsonl", (tmp_path / "x.jsonl").as_uri(), "--out", "store",
+                "--tokenizer", "bytes")
+    assert r.returncode == 0, r.stderr
+    assert texts(tmp_path / "store") == ["one", "two"]
+    assert f"file://{tmp_path}/x.jsonl = {tmp_path}/x.jsonl" in note(r), r.stderr
+    (tmp_path / "x.jsonl").rename(tmp_path / "x y.jsonl")
+    url = "file://" + str(tmp_path / "x%20y.jsonl")  # before: "no input file matched"
+    r = prepare(tmp_path, url, "--out", "store2", "--tokenizer", "bytes")
+    assert r.returncode == 0, r.stderr
+    assert texts(tmp_path / "store2") == ["one", "two"]

@@ -44,6 +44,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+from urllib.parse import unquote
 
 from tokenmill.errors import ConfigError, InputError, TokenmillError, check_int
 from tokenmill.io import FileId, backend_errors, file_id, filesystem, is_url
@@ -321,6 +322,18 @@ def local_path(path: str | os.PathLike) -> str | None:
     if not is_url(path):
         return path
     return filesystem(path)[1] if path.startswith("file://") else None
+
+
+def file_url_path(url: str) -> str | None:
+    """The local path (or glob) a ``file:`` URL names, percent-decoded: ``file:///abs``,
+    ``file:/abs`` or ``file://localhost/abs``; None for anything else (another host, a path).
+
+    file_url_path("file:///d/x%20y.jsonl") == "/d/x y.jsonl" and file_url_path("d/x") is None
+    """
+    for prefix in ("file://localhost/", "file:///", "file:/"):
+        if url.startswith(prefix) and (prefix != "file:/" or not url.startswith("file://")):
+            return "/" + unquote(url[len(prefix):])
+    return None
 
 
 class RemoteId(NamedTuple):

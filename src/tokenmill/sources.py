@@ -55,8 +55,8 @@ from tokenmill.errors import ConfigError, InputError, TokenmillError
 from tokenmill.io import file_size, filesystem, is_url, read_bytes
 from tokenmill.records import (COMPRESSED, EXTENSIONS, FORMATS, LONG_DOCUMENT, REASONS, Doc,
                                LineCount, SameInput, Skip, SourceConfig, Unit, check_policy,
-                               describe, format_of, format_or_none, io_errors, planned_id,
-                               problem, unit_format, web_path)
+                               describe, file_url_path, format_of, format_or_none, io_errors,
+                               planned_id, problem, unit_format, web_path)
 from tokenmill.walk import Ignored, Passed
 
 __all__ = ["DATASET_STATE", "Doc", "FORMATS", "Ignored", "Listing", "REASONS", "Skip", "SourceConfig",
@@ -90,9 +90,13 @@ def list_inputs(inputs: str | os.PathLike | Sequence[str | os.PathLike], *, on_e
     files, skips, passed = set(), [], Passed()
     for pattern in patterns:
         before, hidden = len(passed), len(passed.hidden)
-        found = (_expand_url(pattern, storage_options, passed, text_ext) if is_url(pattern)
-                 else _expand_local(pattern, passed, text_ext))
-        found = _of_split(pattern, found, split, storage_options)
+        local = file_url_path(pattern)  # a file: URL is listed as the local path it names
+        target = pattern if local is None else local
+        found = (_expand_url(target, storage_options, passed, text_ext) if is_url(target)
+                 else _expand_local(target, passed, text_ext))
+        found = _of_split(target, found, split, storage_options)
+        if local is not None:  # spelled as the user did: a store records file:// names
+            found = ["file://" + os.path.abspath(f) for f in found]
         if not found:
             here = Ignored.of(passed[before:], passed.hidden[hidden:])
             detail = _no_match_detail(pattern) + (f"; found only {here.summary()}" if here else "")

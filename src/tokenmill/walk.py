@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 from tokenmill.io import is_url, special_kind
-from tokenmill.records import format_or_none
+from tokenmill.records import format_or_none, local_path
 
 __all__ = ["Ignored", "Passed", "distinct", "glob", "hidden_part", "outermost", "special", "walk"]
 
@@ -204,10 +204,11 @@ def _matches(parts: list[str], pattern: list[str]) -> bool:
 
 def distinct(paths: Iterable[str], passed: Passed) -> list[str]:
     """The paths, sorted, each file once by its identity (st_dev, st_ino): a later path to a file
-    already listed is dropped and added to passed.repeats with the path kept. URLs stay as they are."""
+    already listed is dropped and added to passed.repeats with the path kept (a ``file://`` URL is
+    the local file it names). Other URLs stay as they are."""
     kept, seen = [], {}
     for path in sorted(paths):
-        key = None if is_url(path) else _identity(path)
+        key = None if (local := local_path(path)) is None else _identity(local)
         if key is not None and key in seen:
             passed.repeats.append((path, seen[key]))
             continue

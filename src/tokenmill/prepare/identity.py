@@ -168,13 +168,26 @@ def check_unchanged(manifest: dict, files: Sequence[str], storage_options: Mappi
             f"{where}: already holds a store prepared from other input files ({'; '.join(parts)}); "
             "pass --overwrite to prepare it again from the inputs as they are now, or choose "
             "another --out")
-    changes = [f"{redact(f)} ({how})" for n, f in names.items() if isinstance(was[n], dict)
-               and (how := change_of(f, was[n], storage_options)) is not None]
+    changes = [f"{redact(f)} ({how})" for f, how in changed_inputs(manifest, files,
+                                                                  storage_options).items()]
     if changes:
         raise ConfigError(
             f"{where}: already holds a store prepared from another version of {listed(changes)}; "
             "pass --overwrite to prepare it again from the input as it is now, or choose another "
             "--out")
+
+
+def changed_inputs(manifest: dict, files: Sequence[str],
+                   storage_options: Mapping | None) -> dict[str, str]:
+    """Each of ``files`` that the finished store ``manifest`` records (``input_ids``) and that
+    differs from its record now, with how in words (``change_of``); names it does not record are
+    left to the caller."""
+    recorded = manifest.get(INPUT_IDS)
+    if not isinstance(recorded, list):
+        return {}
+    was = dict(zip(manifest.get(SOURCES) or [], recorded))
+    return {f: how for f in files if isinstance(old := was.get(input_name(f)), dict)
+            and (how := change_of(f, old, storage_options)) is not None}
 
 
 def listed(items: Sequence[str]) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
@@ -28,11 +29,14 @@ import xxhash
 
 from tokenmill import pack, sources
 from tokenmill.errors import ConfigError, check_int
-from tokenmill.io import filesystem, is_url
+from tokenmill.io import filesystem, is_url, xxh3_file
+from tokenmill.prepare.identity import changed_inputs, listed
 from tokenmill.prepare.run import file_sizes
-from tokenmill.prepare.tokenize import PrepareConfig, tokenizer_of
+from tokenmill.prepare.tokenize import PrepareConfig, input_name, tokenizer_of
 from tokenmill.procs import resolve_workers, usable_cores
+from tokenmill.records import local_path
 from tokenmill.sampler import MAX_SEED
+from tokenmill.store.format import MANIFEST
 from tokenmill.tokenizer import Tokenizer, token_dtype
 
 STATE_VERSION = 1
@@ -153,10 +157,11 @@ def plan_stream(inputs: str | os.PathLike | Sequence, config: PrepareConfig, tok
     # the store's bytes depend on these; the cursors in progress files and states on units too
     content = digest({"settings": settings, "mtimes": mtimes,
                       "tokenizer": tokenizer.identity()})[:16]
-    key = digest({"content": content, "unit_bytes": config.unit_bytes})
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     units = sources.plan_units(files, config.source_config(storage_options))
+    content = fresh_content(content, cache_dir, units, storage_options)
+    key = digest({"content": content, "unit_bytes": config.unit_bytes})
     fingerprint = digest({"stream": STATE_VERSION, "key": key, **layout_record(order)})[:16]
     return StreamPlan(config=config, storage_options=storage_options, units=tuple(units),
                       list_skips=tuple(list_skips), settings=settings, key=key,
@@ -164,6 +169,29 @@ def plan_stream(inputs: str | os.PathLike | Sequence, config: PrepareConfig, tok
                       lock_path=cache_dir / f"stream-{content}.lock",
                       dtype=token_dtype(tokenizer.vocab_size), order_settings=order,
                       num_workers=num_workers, fingerprint=fingerprint)
+
+
+def fresh_content(content: str, cache_dir: Path, units: Sequence[sources.Unit],
+                  storage_options) -> str:
+    """The cache's content key: ``content``, or, when the finished cache under it was made from
+    another version of an input (rewritten under the same size and modification time: prepare's
+    check, ``prepare.identity``), a key that also hashes those inputs' bytes now, so the pass is
+    streamed again into a new cache."""
+    try:
+        manifest = json.loads((cache_dir / f"stream-{content}" / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return content  # no finished cache to reuse
+    files = list(dict.fromkeys(unit.path for unit in units))  # as the cache records them
+    changed = changed_inputs(manifest, files, storage_options)
+    if not changed:
+        return content
+    fresh = digest({"content": content, "bytes": [
+        [input_name(f), xxh3_file(local_path(f) or f, storage_options=storage_options)]
+        for f in changed]})[:16]
+    warnings.warn(f"tokenmill: {listed([f'{f} ({how})' for f, how in changed.items()])} changed "
+                  f"since the cache {cache_dir / f'stream-{content}'} was written; streaming "
+                  f"it again into {cache_dir / f'stream-{fresh}'}", stacklevel=3)
+    return fresh
 
 
 def layout_record(order: OrderSettings) -> dict:
