@@ -67,7 +67,7 @@ def test_prepare_inline_store_equals_the_texts(tmp_path):
 
 TRICKY = [b'{"text": "plain"}', b'{"text": "lone \\ud800 surrogate"}', b'{"text": NaN}',
           b'{"text": 123456789012345678901234567890}', b'{"text": ""}', b'{"text": "crlf"}\r',
-          b'{"text": "a", "text": "last wins"}', b'{"text": "bad \xff utf8"}', b"",
+          b'{"text": "a", "text": "named twice"}', b'{"text": "bad \xff utf8"}', b"",
           b'{"text": "\\ud83d\\ude00 pair"}', b'{"n": 1e400, "text": "inf beside"}',
           b'{"text": "tab\tinside"}', b'[1, 2]', b'{"other": "no text"}', b'{"text": "end"}']
 
@@ -87,7 +87,7 @@ def test_jsonl_lines_parse_as_the_stdlib_parses_them(tmp_path, monkeypatch, fast
            for x in sources.read_unit(unit, config)]
     assert got == ["plain", "lone \ud800 surrogate",
                    ("line 3", "non_string_field"), ("line 4", "non_string_field"),
-                   ("line 5", "empty_document"), "crlf", "last wins",
+                   ("line 5", "empty_document"), "crlf", ("line 7", "malformed_json"),
                    ("line 8", "invalid_utf8"), "\U0001F600 pair", "inf beside",
                    ("line 12", "malformed_json"), ("line 13", "malformed_json"),
                    ("line 14", "missing_field"), "end"]
