@@ -166,9 +166,11 @@ class ChildWatch:
         while not self._stop.wait(0.01):
             for c in self.me.children(recursive=True):
                 try:
-                    self.seen[c.pid] = c.cmdline()
+                    cmd = c.cmdline()
                 except psutil.Error:
-                    pass  # ended meanwhile
+                    continue  # ended meanwhile
+                if cmd:  # an exited child not yet reaped (a zombie) shows an empty command line
+                    self.seen[c.pid] = cmd
 
 
 def tokenize_then_start_workers(a: dict) -> None:
