@@ -111,6 +111,20 @@ def write_token_store(path: Path, tokens, lengths, *, shard_tokens: int = 1 << 3
     return path
 
 
+def run_prepare(cwd: Path, *args):
+    """``python -m tokenmill prepare ARGS --workers 1`` in ``cwd``, as a user runs it."""
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "tokenmill", "prepare", *map(str, args),
+                           "--workers", "1"], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+
+
+def byte_texts(store) -> list[str]:
+    """The documents of a bytes-tokenizer store, decoded (ids < 256, the EOS dropped)."""
+    return [bytes(d[:-1]).decode() for d in docs_of(store)]
+
+
 def lengths_summing_to(total: int, *, docs: int, longest: int, seed: int):
     """``docs`` random document lengths in [1, longest), the last one stretched so that they
     sum to exactly ``total`` tokens (e.g. (n + 1)·seq_len: exactly n concat samples)."""

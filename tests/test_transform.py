@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import docs_of, kill_after_first_commit, store_bytes, write_jsonl
+from conftest import byte_texts, docs_of, kill_after_first_commit, store_bytes, write_jsonl
 from tokenmill.errors import ConfigError
 from tokenmill.prepare import prepare
 from tokenmill.prepare.split import is_val, keep_side, kept_indices
@@ -47,11 +47,6 @@ def boom(record):
         raise KeyError("no such field")
     return record["q"]
 '''
-
-
-def texts_of(store) -> list[str]:
-    """The documents of a byte-tokenizer store, decoded (EOS dropped)."""
-    return [bytes(d[:-1]).decode() for d in docs_of(store)]
 
 
 def digests(store) -> set[str]:
@@ -133,7 +128,7 @@ def test_the_stores_documents_are_the_transforms_output_and_drops_are_counted(si
                 "fmt:chat", "--workers", workers)
         assert r.returncode == 0, r.stderr
         assert "dropped_by_transform 16" in r.stderr, r.stderr
-    assert texts_of(site / "s1") == (expected(rows[70:]) + expected(rows[:60]) +  # path order
+    assert byte_texts(site / "s1") == (expected(rows[70:]) + expected(rows[:60]) +  # path order
                                      ["plain: a whole text file"] + expected(rows[60:70]))
     assert store_bytes(site / "s1") == store_bytes(site / "s2")
     m = json.loads((site / "s1" / "manifest.json").read_text())
@@ -153,7 +148,7 @@ def test_a_module_in_the_current_folder_is_found_by_the_cli(site):
     write_records(site / "x.jsonl", records(3))
     r = cli(site, "prepare", "x.jsonl", "--out", "s", "--transform", "fmt_here:q", "--workers", 2)
     assert r.returncode == 0, r.stderr
-    assert texts_of(site / "s") == ["QUESTION 0", "QUESTION 1", "QUESTION 2"]
+    assert byte_texts(site / "s") == ["QUESTION 0", "QUESTION 1", "QUESTION 2"]
 
 
 def test_a_transform_the_workers_cannot_import_is_refused_with_what_to_do(site, tmp_path):
@@ -195,7 +190,7 @@ def test_a_failing_transform_names_file_row_and_transform(site):
     r = cli(site, "prepare", "x.jsonl", "--out", "s", "--transform", "fmt:boom", "--on-error",
             "skip")
     assert r.returncode == 0 and "transform_error 2" in r.stderr, r.stderr
-    assert texts_of(site / "s") == [x["q"] for x in rows if not x["q"].endswith("7")]
+    assert byte_texts(site / "s") == [x["q"] for x in rows if not x["q"].endswith("7")]
 
 
 def test_a_resume_with_a_changed_transform_is_refused(site):
@@ -210,7 +205,7 @@ def test_a_resume_with_a_changed_transform_is_refused(site):
     module.write_text(TRANSFORMS)  # the original source: the run resumes and finishes
     r = script(site, "s", transform="fmt:chat")
     assert r.returncode == 0, r.stderr
-    assert texts_of(site / "s") == expected(records(1000))
+    assert byte_texts(site / "s") == expected(records(1000))
     r = cli(site, "prepare", "x.jsonl", "--out", "s", "--transform", "fmt:boom",
             "--shard-tokens", 2000)
     assert r.returncode == 2 and "already holds a store prepared with other settings (transform: "\
@@ -230,7 +225,7 @@ def test_the_split_is_disjoint_complete_and_the_same_for_any_worker_count(site):
     assert store_bytes(train) == store_bytes(site / "sp2" / "train")
     assert store_bytes(val) == store_bytes(site / "sp2" / "val")
     want = expected(rows)
-    got_train, got_val = texts_of(train), texts_of(val)
+    got_train, got_val = byte_texts(train), byte_texts(val)
     assert not digests(train) & digests(val)
     assert sorted(got_train + got_val) == sorted(want) and len(got_train) + len(got_val) == 320
     assert 0.1 < len(got_val) / len(want) < 0.3
@@ -270,8 +265,8 @@ def test_documents_keep_their_side_when_the_corpus_grows(site):
     write_jsonl(site / "v2" / "a.jsonl", [f"old document {i}" for i in range(300)])
     write_jsonl(site / "v2" / "0-new.jsonl", [f"new document {i}" for i in range(300)])
     assert cli(site, "prepare", "v2", "--out", "new", "--val-fraction", 0.1).returncode == 0
-    old_val, new_val = set(texts_of(site / "old" / "val")), set(texts_of(site / "new" / "val"))
-    old_train, new_train = set(texts_of(site / "old" / "train")), set(texts_of(site / "new" /
+    old_val, new_val = set(byte_texts(site / "old" / "val")), set(byte_texts(site / "new" / "val"))
+    old_train, new_train = set(byte_texts(site / "old" / "train")), set(byte_texts(site / "new" /
                                                                                  "train"))
     assert old_val and old_val <= new_val and old_train <= new_train
     assert len(new_val - old_val) > 0 and not new_val & new_train
@@ -322,7 +317,7 @@ def test_csv_rows_and_json_array_elements_reach_the_transform_whole(site):
     r = cli(site, "prepare", "t", "--out", "s", "--transform", "fmt:chat", "--workers", 2)
     assert r.returncode == 0, r.stderr
     csv_docs = ["<user> " + x["q"] + " <bot> " + x["a"] for x in rows[:12]]
-    assert texts_of(site / "s") == csv_docs + expected(rows[12:])
+    assert byte_texts(site / "s") == csv_docs + expected(rows[12:])
 
 
 # ---- a transform is known by what it does (issue 22.1) -------------------------------------
@@ -398,7 +393,7 @@ def test_a_resume_after_the_transform_behaves_otherwise_is_refused(site, module,
     path.write_text(path.read_text().replace(new, old))  # as it was: the run resumes, one version
     r = script(site, "s", transform="fmtc:chat")
     assert r.returncode == 0, r.stderr
-    assert texts_of(site / "s") == want
+    assert byte_texts(site / "s") == want
 
 
 def test_a_transform_that_is_not_deterministic_is_refused_and_a_split_accounts_for_every_document(site):
@@ -460,7 +455,7 @@ def test_a_resume_after_a_helper_module_changed_only_records_past_the_samples_is
     table.write_text("TABLE = {}\n")  # as it was: the run resumes, one version of everything
     r = cli(site, *args)
     assert r.returncode == 0, r.stderr
-    assert texts_of(site / "s") == [f"document {i}" for i in range(1200)]
+    assert byte_texts(site / "s") == [f"document {i}" for i in range(1200)]
 
 
 SECOND_THOUGHTS = """
@@ -575,4 +570,4 @@ def test_records_given_to_a_transform_are_checked_as_documents_are(site):
     for args in (("--text-key", "a"), ("--transform", "fmt:chat")):
         r = cli(site, "prepare", "bad.csv", "--out", "s", "--on-error", "skip", "--overwrite", *args)
         assert r.returncode == 0 and "skipped 1 (invalid_utf8 1)" in r.stderr, r.stderr
-        assert len(texts_of(site / "s")) == 2 and not any("\ufffd" in t for t in texts_of(site / "s"))
+        assert len(byte_texts(site / "s")) == 2 and not any("\ufffd" in t for t in byte_texts(site / "s"))

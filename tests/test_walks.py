@@ -6,23 +6,9 @@ rule for walks and globs (tokenmill.walk): hidden names are passed over and coun
 folder is followed, each folder walked once (a link loop never recurses), each file read once.
 """
 
-import os
-import subprocess
-import sys
 
-from conftest import docs_of, write_jsonl
+from conftest import byte_texts, run_prepare, write_jsonl
 from tokenmill import Loader
-
-
-def prepare(tmp_path, *args):
-    return subprocess.run([sys.executable, "-m", "tokenmill", "prepare", *map(str, args),
-                           "--workers", "1"], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
-
-
-def texts(store) -> list[str]:
-    """The store's documents as text (bytes tokenizer: ids < 256, then EOS)."""
-    return [bytes(d[:-1]).decode() for d in docs_of(store)]
 
 
 def note(r) -> str:
@@ -36,9 +22,9 @@ def test_a_link_to_a_folder_is_read_and_a_link_loop_never_recurses(tmp_path):
     write_jsonl(tmp_path / "shared" / "b.jsonl", ["b1"])
     (tmp_path / "data" / "more").symlink_to("../shared")  # a folder linked in: read
     (tmp_path / "data" / "loop").symlink_to("..")  # leads back above data: never entered
-    r = prepare(tmp_path, "data", "--out", "store")
+    r = run_prepare(tmp_path, "data", "--out", "store")
     assert r.returncode == 0, r.stderr
-    assert texts(tmp_path / "store") == ["a1", "a2", "b1"]  # before: b1 silently not read
+    assert byte_texts(tmp_path / "store") == ["a1", "a2", "b1"]  # before: b1 silently not read
     assert note(r) == (f"note: dropped 1 repeat (a file or folder reached again by another path, "
                        f"read once: data/loop/ = {tmp_path.resolve()}/)")
 
@@ -48,9 +34,9 @@ def test_a_glob_through_a_link_loop_reads_each_file_once(tmp_path):
     write_jsonl(tmp_path / "d3" / "sub" / "x.jsonl", ["x"])
     write_jsonl(tmp_path / "d3" / "y.jsonl", ["y"])
     (tmp_path / "d3" / "loop").symlink_to("..")
-    r = prepare(tmp_path, "d3/**/*.jsonl", "--out", "store")
+    r = run_prepare(tmp_path, "d3/**/*.jsonl", "--out", "store")
     assert r.returncode == 0, r.stderr
-    assert texts(tmp_path / "store") == ["x", "y"]  # before: each read 40 times down loop/d3/loop/…
+    assert byte_texts(tmp_path / "store") == ["x", "y"]  # before: each read 40 times down loop/d3/loop/…
     assert note(r) == (f"note: dropped 1 repeat (a file or folder reached again by another path, "
                        f"read once: d3/loop/ = {tmp_path.resolve()}/)")
 
@@ -59,14 +45,14 @@ def test_a_latest_link_and_two_spellings_of_one_file_give_its_documents_once(tmp
     (tmp_path / "d5" / "v3").mkdir(parents=True)
     write_jsonl(tmp_path / "d5" / "v3" / "a.jsonl", ["one", "two"])
     (tmp_path / "d5" / "latest").symlink_to("v3")
-    r = prepare(tmp_path, "d5/**/*.jsonl", "--out", "glob")
+    r = run_prepare(tmp_path, "d5/**/*.jsonl", "--out", "glob")
     assert r.returncode == 0, r.stderr
-    assert texts(tmp_path / "glob") == ["one", "two"]  # before: one, two, one, two
+    assert byte_texts(tmp_path / "glob") == ["one", "two"]  # before: one, two, one, two
     assert note(r) == ("note: dropped 1 repeat (a file or folder reached again by another path, "
                        "read once: d5/latest/ = d5/v3/)")  # the folder itself kept, not the link
-    r = prepare(tmp_path, "d5/v3/a.jsonl", tmp_path / "d5" / "latest" / "a.jsonl", "--out", "named")
+    r = run_prepare(tmp_path, "d5/v3/a.jsonl", tmp_path / "d5" / "latest" / "a.jsonl", "--out", "named")
     assert r.returncode == 0, r.stderr
-    assert texts(tmp_path / "named") == ["one", "two"]
+    assert byte_texts(tmp_path / "named") == ["one", "two"]
     assert note(r) == ("note: dropped 1 repeat (a file or folder reached again by another path, "
                        f"read once: d5/v3/a.jsonl = {tmp_path}/d5/latest/a.jsonl)")
 
@@ -82,14 +68,14 @@ def test_hidden_files_and_folders_of_a_checkout_are_passed_over_and_said(tmp_pat
         (tmp_path / "docs" / name).write_text(text)
     (tmp_path / "docs" / ".ipynb_checkpoints").mkdir()
     write_jsonl(tmp_path / "docs" / ".ipynb_checkpoints" / "x.jsonl", ["a stale copy"])
-    r = prepare(tmp_path, "docs", "--out", "store", "--text-ext", "md,rst,''", "--on-error", "skip")
+    r = run_prepare(tmp_path, "docs", "--out", "store", "--text-ext", "md,rst,''", "--on-error", "skip")
     assert r.returncode == 0, r.stderr
-    assert texts(tmp_path / "store") == ["read me\n", "API\n---\n", "# Guide\n"]  # before: .env, .git/…
+    assert byte_texts(tmp_path / "store") == ["read me\n", "API\n---\n", "# Guide\n"]  # before: .env, .git/…
     assert note(r) == ("note: ignored 4 hidden (names starting with '.', e.g. docs/.env, docs/.git/, "
                        "docs/.github/; name one to read it)")
-    r = prepare(tmp_path, "docs/.env", "--out", "named", "--text-ext", "''")
+    r = run_prepare(tmp_path, "docs/.env", "--out", "named", "--text-ext", "''")
     assert r.returncode == 0, r.stderr
-    assert texts(tmp_path / "named") == [GIT[".env"]]  # named explicitly: the user asked for it
+    assert byte_texts(tmp_path / "named") == [GIT[".env"]]  # named explicitly: the user asked for it
 
 
 def test_a_stream_lists_inputs_by_the_same_rule(tmp_path):
@@ -124,22 +110,22 @@ def test_a_file_url_walk_or_glob_follows_the_rule_of_local_walks(tmp_path):
     for i, spelled in enumerate([url, url + "/**/*.jsonl",
                                  "file://localhost" + url.removeprefix("file://"),
                                  "file:" + url.removeprefix("file://")]):
-        r = prepare(tmp_path, spelled, "--out", f"store{i}", "--tokenizer", "bytes")
+        r = run_prepare(tmp_path, spelled, "--out", f"store{i}", "--tokenizer", "bytes")
         assert r.returncode == 0, r.stderr
-        assert texts(tmp_path / f"store{i}") == ["a", "b"], spelled
+        assert byte_texts(tmp_path / f"store{i}") == ["a", "b"], spelled
         assert "1 hidden" in note(r) and "d/.cache/" in note(r), (spelled, r.stderr)
 
 
 def test_a_file_named_as_a_path_and_as_a_file_url_is_read_once(tmp_path):
     # before: its documents twice (a URL was never compared with a path)
     write_jsonl(tmp_path / "x.jsonl", ["one", "two"])
-    r = prepare(tmp_path, tmp_path / "x.jsonl", (tmp_path / "x.jsonl").as_uri(), "--out", "store",
+    r = run_prepare(tmp_path, tmp_path / "x.jsonl", (tmp_path / "x.jsonl").as_uri(), "--out", "store",
                 "--tokenizer", "bytes")
     assert r.returncode == 0, r.stderr
-    assert texts(tmp_path / "store") == ["one", "two"]
+    assert byte_texts(tmp_path / "store") == ["one", "two"]
     assert f"file://{tmp_path}/x.jsonl = {tmp_path}/x.jsonl" in note(r), r.stderr
     (tmp_path / "x.jsonl").rename(tmp_path / "x y.jsonl")
     url = "file://" + str(tmp_path / "x%20y.jsonl")  # before: "no input file matched"
-    r = prepare(tmp_path, url, "--out", "store2", "--tokenizer", "bytes")
+    r = run_prepare(tmp_path, url, "--out", "store2", "--tokenizer", "bytes")
     assert r.returncode == 0, r.stderr
-    assert texts(tmp_path / "store2") == ["one", "two"]
+    assert byte_texts(tmp_path / "store2") == ["one", "two"]
