@@ -125,6 +125,17 @@ def byte_texts(store) -> list[str]:
     return [bytes(d[:-1]).decode() for d in docs_of(store)]
 
 
+def read_log(path: Path) -> list[dict]:
+    """A program's JSON-lines event log; a torn last line (a kill mid-write) is dropped."""
+    events = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return events
+
+
 def lengths_summing_to(total: int, *, docs: int, longest: int, seed: int):
     """``docs`` random document lengths in [1, longest), the last one stretched so that they
     sum to exactly ``total`` tokens (e.g. (n + 1)·seq_len: exactly n concat samples)."""

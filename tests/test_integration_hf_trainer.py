@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import STDLIB, write_jsonl
+from conftest import STDLIB, read_log, write_jsonl
 import tokenmill
 from tokenmill.errors import ConfigError
 from tokenmill.hf import LoaderCallback, Row, TrainerDataset, collate
@@ -96,17 +96,6 @@ def test_trainer_losses_equal_the_loaders_batches_fed_by_hand(store, layout, tmp
     callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, LoaderCallback))
     assert callback.state()["attributes"] == {"step": steps,  # what a checkpoint now would hold
                                               "loader": rows.state_at(steps * BATCH)}
-
-
-def read_log(path: Path) -> list[dict]:
-    """The program's events; a torn last line (the kill mid-write) is dropped."""
-    events = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return events
 
 
 def run(args: dict, *, kill_when_paused: bool = False) -> list[dict]:

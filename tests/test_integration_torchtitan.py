@@ -5,7 +5,6 @@ process killed with SIGKILL — the resumed run continues with exactly the batch
 uninterrupted one. torchtitan's ``Trainer`` needs CUDA and triton, so it is not run here."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,11 +16,11 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.dataloader import BaseDataLoader
 
-from conftest import STDLIB, write_jsonl
+from conftest import STDLIB, read_log, write_jsonl
 import tokenmill
 from tokenmill.attention import flat_position_ids
 from tokenmill.errors import ConfigError
-from tokenmill.integrations.torchtitan import TokenmillDataLoader, titan_batch
+from tokenmill.integrations.torchtitan import TokenmillDataLoader
 
 PROGRAM = Path(__file__).resolve().parent / "titan_program.py"
 HANG = 600  # s: a run that has not paused by then hangs (a guard, not a measured time)
@@ -95,16 +94,6 @@ def test_state_resumes_in_a_new_loader_and_on_another_number_of_ranks(store):
                                            local_batch_size=1)
     for d in (first, again, half):
         d.close()
-
-
-def read_log(path: Path) -> list[dict]:
-    events = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # the line a kill tore
-    return events
 
 
 def run(args: dict, *, kill_when_paused: bool = False) -> list[dict]:
