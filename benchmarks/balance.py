@@ -33,9 +33,9 @@ import time
 import numpy as np
 
 from tokenmill import Loader
-from tokenmill.balance import balance_rows, full_row_bound, imbalance, rank_costs, row_costs, \
+from tokenmill.load.balance import balance_rows, full_row_bound, imbalance, rank_costs, row_costs, \
     row_segments
-from tokenmill.cpsplit import causal_pairs, cp_pairs
+from tokenmill.load.cpsplit import causal_pairs, cp_pairs
 
 
 def real_rows(store: str, seq_len: int, rows: int) -> list[np.ndarray]:

@@ -142,7 +142,7 @@ def read_facts(setup: Setup) -> dict[str, Any]:
     """What this machine and its device say about themselves (nothing assumed)."""
     import torch
     import tokenmill
-    from tokenmill.procs import usable_cores
+    from tokenmill.base.procs import usable_cores
     facts = {"mode": "dry-run" if setup.dry_run else "full", "python": platform.python_version(),
              "cpu_count": os.cpu_count(), "usable_cores": usable_cores(),
              "torch": torch.__version__, "numpy": np.__version__,
@@ -161,7 +161,7 @@ def read_facts(setup: Setup) -> dict[str, Any]:
 def make_store(root: Path) -> dict[str, Any]:
     """A store of the standard library's ``*.py`` files, one document each, byte tokenizer."""
     import tokenmill
-    from tokenmill.io import atomic_write_bytes
+    from tokenmill.base.io import atomic_write_bytes
     t0 = time.perf_counter()
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     lines = (json.dumps({"text": p.read_text(encoding="utf-8", errors="replace")}) for p in files)
@@ -600,7 +600,7 @@ def guarded(name: str, fn: Callable[..., dict], *args) -> dict[str, Any]:
 
 def publish(results: dict, paths: list[Path]) -> None:
     """Write the results so far to every JSON path, atomically."""
-    from tokenmill.io import atomic_write_json
+    from tokenmill.base.io import atomic_write_json
     for path in paths:
         atomic_write_json(path, jsonable(results))
 

@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--elapsed", type=float, default=0.0, help="the parent's seconds so far")
     args = ap.parse_args(argv)
     gpu.START_OFFSET_S[0] = args.elapsed  # progress lines on the parent's clock
-    from tokenmill.io import atomic_write_json
+    from tokenmill.base.io import atomic_write_json
     result = jax_measure(args.store, args.vocab, Setup(**json.loads(args.setup)))
     atomic_write_json(args.out, gpu.jsonable(result))
     return 0

@@ -17,7 +17,7 @@ root needed) before each phase.
 - at a simulated step of 20 ms and of 2 ms (``np.sin`` passes calibrated to that time, one
   thread): data wait % (the Meter's: time in ``next()`` / wall) and step slowdown (median step
   with the loader running ÷ median step alone, - 1), from alternating blocks of steps fed by the
-  loader and steps alone (``tokenmill.bench.measure.slowdown``), so that the machine's drifts
+  loader and steps alone (``tokenmill.observe.bench.measure.slowdown``), so that the machine's drifts
   hit both alike.
 
 The bare loader reads the store's largest shard: on a store of several shards it reads a fraction
@@ -116,7 +116,7 @@ def make(name: str, store: Path, seq_len: int, batch_size: int):
 
 def child(args) -> dict:
     """One contender, one page-cache state, in this fresh process: every phase's figures."""
-    from tokenmill.bench import calibrate_step, measure_steps, slowdown, tokens_per_s
+    from tokenmill.observe.bench import calibrate_step, measure_steps, slowdown, tokens_per_s
     store, out = Path(args.store), {}
     prepare = evict if args.cache == "cold" else warm
     passes = {ms: calibrate_step(ms) for ms in STEPS}

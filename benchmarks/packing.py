@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenmill import TokenStore, pack, prepare
+from tokenmill import TokenStore, prepare
+from tokenmill.load import pack
 
 
 def stdlib_paragraphs(limit_docs: int) -> list[str]:

@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from tokenmill import sources
+from tokenmill.inputs import sources
 from tokenmill.prepare import prepare
 from tokenmill.prepare.tokenize import PrepareConfig, unit_digest
 from tokenmill.tokenizer import encode_documents, load_tokenizer, token_dtype
@@ -121,7 +121,7 @@ def cpu_stages(corpus: Path, tokenizer: Path, out: Path) -> dict:
 
     import xxhash
     try:
-        from orjson import loads as loads_bytes  # what tokenmill.readers parses with, if present
+        from orjson import loads as loads_bytes  # what tokenmill.inputs.readers parses with, if present
     except ImportError:
         loads_bytes = None
     tok = load_tokenizer(tokenizer)

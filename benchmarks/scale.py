@@ -133,8 +133,9 @@ def shuffle(args) -> None:
 
 
 def quality(args) -> None:
-    from tokenmill import TokenStore, pack
-    from tokenmill.packplan import PackedPlan, epoch_layout
+    from tokenmill import TokenStore
+    from tokenmill.load import pack
+    from tokenmill.load.packplan import PackedPlan, epoch_layout
     with TokenStore(args.store) as ts:
         lengths = np.asarray(ts.doc_lengths)
         print(f"store {args.store}: {len(ts):,} documents, {ts.num_tokens:,} tokens, median "

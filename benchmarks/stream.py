@@ -15,7 +15,7 @@ run is a fresh ``Loader.from_text`` with a fresh cache directory:
     starved    step = batch tokens / (capacity * 3): consumption is 3x capacity; the Meter must
                say "data-bound (…): tokenization"
 
-The step is ``tokenmill.bench``'s single-thread CPU job (np.sin passes), calibrated here with
+The step is ``tokenmill.observe.bench``'s single-thread CPU job (np.sin passes), calibrated here with
 ``calibrate_step``; data wait and verdict are ``tokenmill.Meter``'s, via ``measure_steps``.
 """
 
@@ -35,7 +35,7 @@ BENCH = ROOT / "bench-data"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from tokenmill import Loader  # noqa: E402
-from tokenmill.bench import calibrate_step, measure_steps, tokens_per_s  # noqa: E402
+from tokenmill.observe.bench import calibrate_step, measure_steps, tokens_per_s  # noqa: E402
 from prepare import trained_tokenizer  # noqa: E402 (benchmarks/prepare.py, beside this file)
 
 

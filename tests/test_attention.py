@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from conftest import stdlib_texts, write_jsonl, write_token_store
 
-from tokenmill import attention, pack
-from tokenmill.errors import ConfigError
+from tokenmill.load import attention, pack
+from tokenmill.base.errors import ConfigError
 
 # ---- the numpy forms ----------------------------------------------------------------------------
 
@@ -296,7 +296,7 @@ def paragraph_store(tmp_path_factory):
 @pytest.mark.parametrize("cap", [1, 2, 8])
 def test_max_segments_caps_every_row_and_reports_its_padding(paragraph_store, tmp_path, cap):
     from tokenmill import Loader
-    from tokenmill.packplan import epoch_layout
+    from tokenmill.load.packplan import epoch_layout
     kw = dict(seq_len=512, batch_size=4, layout="packed", num_workers=0)
     with Loader(paragraph_store, **kw) as free, Loader(paragraph_store, max_segments=cap, **kw) as capped:
         layout = epoch_layout(capped.plan.sources[0].packed, 0)
@@ -328,7 +328,7 @@ def pairs_of(layout) -> list[int]:
 def test_max_segments_is_checked():
     with pytest.raises(ConfigError, match="max_segments"):
         pack.pack_documents(np.array([3, 2]), 4, max_segments=0)
-    from tokenmill.plan import LayoutConfig
+    from tokenmill.load.plan import LayoutConfig
     with pytest.raises(ConfigError, match="layout='packed'"):
         LayoutConfig(seq_len=8, layout="concat", max_segments=2)
 
@@ -337,7 +337,7 @@ def test_inspect_reports_the_packing_and_its_cap(paragraph_store, capsys):
     import json
 
     from tokenmill.cli import main
-    from tokenmill.packplan import PackedPlan, epoch_layout
+    from tokenmill.load.packplan import PackedPlan, epoch_layout
     assert main(["inspect", str(paragraph_store), "--seq-len", "512", "--max-segments", "2"]) == 0
     line = capsys.readouterr().out.splitlines()[-1]
     from tokenmill import TokenStore

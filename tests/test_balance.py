@@ -4,12 +4,12 @@ schedules (issue 25's pure core): exact properties on self-describing data, no c
 import numpy as np
 import pytest
 
-from tokenmill import attention
-from tokenmill.balance import (CostModel, balance_rows, full_row_bound, imbalance, rank_costs,
-                               row_costs, row_segments)
-from tokenmill.cpsplit import causal_pairs, cp_pairs, cp_split, thd_varlen, token_budget
-from tokenmill.errors import ConfigError
-from tokenmill.seqlens import LengthSchedule
+from tokenmill.load import attention
+from tokenmill.load.balance import (CostModel, balance_rows, full_row_bound, imbalance, rank_costs,
+                                    row_costs, row_segments)
+from tokenmill.load.cpsplit import causal_pairs, cp_pairs, cp_split, thd_varlen, token_budget
+from tokenmill.base.errors import ConfigError
+from tokenmill.load.seqlens import LengthSchedule
 
 
 def packed_rows(rng, rows: int, capacity: int) -> np.ndarray:

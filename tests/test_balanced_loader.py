@@ -9,10 +9,10 @@ import pytest
 from conftest import assert_resumes_exactly, take, write_positional_store
 
 from tokenmill import Loader, Meter
-from tokenmill.balance import CostModel, balance_rows, imbalance, rank_costs, row_costs, \
+from tokenmill.load.balance import CostModel, balance_rows, imbalance, rank_costs, row_costs, \
     row_segments
-from tokenmill.balanced import deal, row_lengths
-from tokenmill.errors import ConfigError
+from tokenmill.load.balanced import deal, row_lengths
+from tokenmill.base.errors import ConfigError
 
 L = 16
 

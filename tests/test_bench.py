@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from conftest import write_positional_store
-from tokenmill import bench
-from tokenmill.errors import ConfigError
+from tokenmill.observe import bench
+from tokenmill.base.errors import ConfigError
 
 L, B = 32, 4
 SMALL = ["--seq-len", str(L), "--batch-size", str(B), "--seconds", "0.3", "--steps", "10",
@@ -169,7 +169,7 @@ def test_slowdown_refuses_blocks_too_short_to_time_alone_steps():
     # per <= DROPPED leaves no alone step to time: say so, instead of "no median for empty data"
     import itertools
 
-    from tokenmill.bench.measure import DROPPED
+    from tokenmill.observe.bench.measure import DROPPED
     with pytest.raises(ValueError, match=rf"per must be an int > {DROPPED} \(got per={DROPPED}\)"):
         bench.slowdown(itertools.repeat(None), 1, blocks=2, per=DROPPED)
     with pytest.raises(ValueError, match=r"blocks must be an int >= 1 \(got blocks=0\)"):
@@ -181,7 +181,7 @@ def test_slowdown_refuses_blocks_too_short_to_time_alone_steps():
 def test_a_slowdown_within_the_machines_noise_is_shown_as_noise():
     """On a busy machine bench drew "-29%" step slowdowns for peers as facts: each slowdown now
     has the spread of the step timed alone beside it, and one within that spread says noise."""
-    from tokenmill.bench.report import slowdown_cell
+    from tokenmill.observe.bench.report import slowdown_cell
     row = {"name": "peer", "tokens_per_s": 1e6, "time_to_first_batch_s": 0.01, "peak_rss_mb": 90,
            "peak_anon_mb": 40, "data_wait_pct": 1.0, "wait_p99_ms": 0.1,
            "step_slowdown_pct": -29.04, "step_slowdown_noise_pct": 35.0}

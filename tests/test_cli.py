@@ -14,7 +14,7 @@ import pytest
 
 from conftest import write_jsonl
 from tokenmill.cli import main, ordinary_failure, say
-from tokenmill.errors import StoreError
+from tokenmill.base.errors import StoreError
 
 
 def run(*args):
@@ -111,7 +111,7 @@ def error_line(r, command: str) -> str:
 
 API = """\
 import json, tokenmill
-from tokenmill.errors import TokenmillError
+from tokenmill.base.errors import TokenmillError
 from tokenmill.interchange import export
 try:
     {call}
@@ -381,7 +381,7 @@ def test_sigterm_ends_prepare_as_ctrl_c_does_in_one_line_and_the_rerun_finishes(
         143, "tokenmill prepare: terminated (SIGTERM); run the same command again to resume"), seen
     assert "Traceback" not in seen and len([ln for ln in run.lines() if "tokenmill" in ln]) == 1
     workers = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p)[-3:-2] ==
-               ["tokenmill.child"] and _cmdline(p)[-1] == str(run.proc.pid)]
+               ["tokenmill.base.child"] and _cmdline(p)[-1] == str(run.proc.pid)]
     assert workers == []  # its worker processes ended with it
     Path(env["TM_GO"]).touch()
     subprocess.run([*cmd, "--quiet"], env=env, check=True, timeout=600)  # the rerun finishes …

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import assert_resumes_exactly, same, take, write_positional_store
 from tokenmill import Loader
-from tokenmill.errors import ConfigError
+from tokenmill.base.errors import ConfigError
 
 L = 16
 OFFSET_B = 10**8  # store b's tokens start here: a token names its store and position

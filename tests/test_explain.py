@@ -27,8 +27,8 @@ import pytest
 
 import tokenmill
 from tokenmill.cli import main
-from tokenmill.io import json_bytes
-from tokenmill.loader import Loader
+from tokenmill.base.io import json_bytes
+from tokenmill.load.loader import Loader
 from tokenmill.store.format import MANIFEST_CHECKSUM, SOURCE_KINDS, SOURCES, manifest_checksum
 
 L, B = 16, 4

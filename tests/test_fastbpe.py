@@ -22,8 +22,8 @@ from hypothesis import given, settings, strategies as st
 from tokenizers import AddedToken, Regex, Tokenizer as HFTok, decoders, models, normalizers
 from tokenizers import pre_tokenizers, trainers
 
-from tokenmill.errors import ConfigError, TokenizerError
-from tokenmill.fastbpe import PROOF_SAMPLE, FastokensEngine, proof_sample
+from tokenmill.base.errors import ConfigError, TokenizerError
+from tokenmill.tokenizer.fastbpe import PROOF_SAMPLE, FastokensEngine, proof_sample
 from tokenmill.tokenizer import encode_documents, load_tokenizer
 
 pytest.importorskip("fastokens")  # the `fast` extra (x86-64 Linux/Windows, macOS wheels)

@@ -87,7 +87,7 @@ class Counting:
 def test_packed_start_and_resume_read_a_window_s_worth_of_documents(tmp_path):
     # 10^6 documents: the packed plan reads the lengths of a bounded number of windows (K
     # documents each) to start, and again to resume deep into a later epoch — never all of them
-    from tokenmill.packplan import PackedPlan
+    from tokenmill.load.packplan import PackedPlan
     path = sparse_store(tmp_path / "s")
     store = TokenStore(path, verify="off")
     counting = Counting(store)

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 from conftest import docs_of, write_jsonl
-from tokenmill import sources
-from tokenmill.errors import ConfigError, InputError
-from tokenmill.io import atomic_write_bytes
+from tokenmill.inputs import sources
+from tokenmill.base.errors import ConfigError, InputError
+from tokenmill.base.io import atomic_write_bytes
 from tokenmill.prepare import prepare
-from tokenmill.records import SourceConfig
+from tokenmill.inputs.records import SourceConfig
 
 LINE = 100  # every record's line is exactly this long: record i starts at byte i * LINE
 UNIT = 4000  # unit_bytes of the script runs: 40 records a unit
@@ -137,7 +137,7 @@ def test_an_input_changed_while_prepare_reads_it_fails_naming_it(site, workers, 
     r = paused_run(site, script(workers), change)
     assert r.returncode == 1, r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert last == f"tokenmill.errors.InputError: {CHANGED}{how}); run again once it is stable"
+    assert last == f"tokenmill.base.errors.InputError: {CHANGED}{how}); run again once it is stable"
     assert not (site / "store" / "manifest.json").exists()
 
 
@@ -161,7 +161,7 @@ def test_an_object_replaced_on_s3_while_prepare_reads_it_fails_naming_it(site, s
     r = paused_run(site, script(2, url), lambda _: s3.fs.pipe_file(url, records(1200, "N")))
     assert r.returncode == 1, r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(rf'tokenmill.errors.InputError: {url}: the file changed while it was '
+    assert re.fullmatch(rf'tokenmill.base.errors.InputError: {url}: the file changed while it was '
                         r'being read \(replaced, truncated or rewritten: ETag "\w+" → "\w+"\); '
                         r'run again once it is stable', last), last
     assert not (site / "store" / "manifest.json").exists()

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import same, store_bytes, take, write_jsonl, write_positional_store
 from tokenmill import Loader, prepare
-from tokenmill.errors import ConfigError
+from tokenmill.base.errors import ConfigError
 
 L = 16
 WIDTHS = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)

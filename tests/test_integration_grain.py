@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from conftest import lengths_summing_to, run_guide, write_positional_store
-from tokenmill.errors import ConfigError
+from tokenmill.base.errors import ConfigError
 from tokenmill.integrations.grain import TokenSource, source
-from tokenmill.loader import Loader
+from tokenmill.load.loader import Loader
 
 L = 8
 

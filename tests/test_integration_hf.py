@@ -12,7 +12,7 @@ import transformers
 
 from conftest import STDLIB, write_jsonl
 import tokenmill
-from tokenmill.errors import ConfigError
+from tokenmill.base.errors import ConfigError
 from tokenmill.integrations.torch import flat_position_ids, hf_inputs, to_torch
 
 VOCAB = 258  # the bytes tokenizer: 256 bytes, BOS, EOS

@@ -19,7 +19,7 @@ import transformers
 
 from conftest import STDLIB, read_log, write_jsonl
 import tokenmill
-from tokenmill.errors import ConfigError
+from tokenmill.base.errors import ConfigError
 from tokenmill.hf import LoaderCallback, Row, TrainerDataset, collate
 from tokenmill.integrations.torch import hf_inputs
 

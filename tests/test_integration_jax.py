@@ -20,7 +20,8 @@ L, B = 8, 2  # per-rank batch B; global batch 4·B over a mesh of 4 devices
 
 def run(mode, *args, devices):
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(HERE.parent)}
+           "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, str(HERE), mode, *map(str, args)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -68,7 +69,7 @@ def test_guide_example_runs(tmp_path):
 
 def expected_global(store, step, **kw):
     """Global batch of `step`: the concatenation of the 4 ranks' own batches."""
-    from tokenmill.loader import Loader
+    from tokenmill.load.loader import Loader
     parts = [Loader(store, seq_len=L, batch_size=B, rank=r, world_size=4, **kw).batch_at(step * 4 * B)
              for r in range(4)]
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
@@ -79,9 +80,9 @@ def single(store):
     import jax.numpy as jnp
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-    from tokenmill.errors import ConfigError
+    from tokenmill.base.errors import ConfigError
     from tokenmill.integrations.jax import to_jax
-    from tokenmill.loader import Loader
+    from tokenmill.load.loader import Loader
 
     assert jax.device_count() == 4, jax.devices()
     mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))
@@ -143,7 +144,7 @@ def multi(store, port, pid):
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     from tokenmill.integrations.jax import to_jax
-    from tokenmill.loader import Loader
+    from tokenmill.load.loader import Loader
 
     assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 4, 2)
     mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))

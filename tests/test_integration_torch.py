@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from conftest import lengths_summing_to, run_guide, same, take, write_positional_store
-from tokenmill.errors import ConfigError, StoreError
+from tokenmill.base.errors import ConfigError, StoreError
 from tokenmill.integrations.torch import TokenDataset, TorchBatches, to_torch
-from tokenmill.loader import Loader
+from tokenmill.load.loader import Loader
 
 L = 8
 
@@ -162,7 +162,7 @@ def test_the_loader_itself_hands_out_arrays_again_after_a_to_torch_pass(store):
 
 
 def test_a_watched_trace_shows_device_copies_inside_the_data_waits(store, tmp_path):
-    from tokenmill.watch import Watch
+    from tokenmill.observe.watch import Watch
     loader = Loader(store, seq_len=L, batch_size=4, num_workers=0)
     batches = TorchBatches(loader, torch.device("cpu"), ops=FakeDevice(), depth=2)
     with Watch(batches, every=5, trace=tmp_path / "t{rank}.json", log=None) as w:

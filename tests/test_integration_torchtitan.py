@@ -18,8 +18,8 @@ from torchtitan.components.dataloader import BaseDataLoader
 
 from conftest import STDLIB, read_log, write_jsonl
 import tokenmill
-from tokenmill.attention import flat_position_ids
-from tokenmill.errors import ConfigError
+from tokenmill.load.attention import flat_position_ids
+from tokenmill.base.errors import ConfigError
 from tokenmill.integrations.torchtitan import TokenmillDataLoader
 
 PROGRAM = Path(__file__).resolve().parent / "titan_program.py"

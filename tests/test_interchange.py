@@ -18,9 +18,9 @@ import pytest
 from conftest import docs_of, store_bytes, write_jsonl, write_positional_store
 from tokenmill import interchange
 from tokenmill.cli import main
-from tokenmill.errors import ConfigError, InputError, StoreError, TokenizerError
+from tokenmill.base.errors import ConfigError, InputError, StoreError, TokenizerError
 from tokenmill.interchange import export, import_megatron
-from tokenmill.loader import Loader
+from tokenmill.load.loader import Loader
 from tokenmill.prepare import prepare
 from tokenmill.store import TokenStore, verify_store
 

@@ -21,10 +21,10 @@ import xxhash
 
 import tokenmill
 from conftest import write_jsonl
-from tokenmill.errors import ConfigError, StoreError, TokenmillError
-from tokenmill.io import (BackgroundJobs, ChecksumWatch, atomic_output, atomic_write_bytes,
-                          atomic_write_json, file_size, filesystem, is_url, lock_file,
-                          open_binary, parse_bytes, redact, unlock, xxh3_file)
+from tokenmill.base.errors import ConfigError, StoreError, TokenmillError
+from tokenmill.base.io import (BackgroundJobs, ChecksumWatch, atomic_output, atomic_write_bytes,
+                               atomic_write_json, file_size, filesystem, is_url, lock_file,
+                               open_binary, parse_bytes, redact, unlock, xxh3_file)
 from tokenmill.store import TokenStore
 
 TOKENMILL = Path(sys.executable).with_name("tokenmill")
@@ -140,7 +140,7 @@ def test_background_jobs_run_in_order_and_close_cancels_the_rest():
 
 HOLD_LOCK = """
 import sys, time
-from tokenmill.io import lock_file
+from tokenmill.base.io import lock_file
 fd = lock_file(sys.argv[1], exclusive=sys.argv[2] == "ex")
 print("locked", flush=True)
 time.sleep(600)

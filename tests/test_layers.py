@@ -1,10 +1,11 @@
-"""The shape of the code: every import points down, no private name crosses modules, nothing grows
-past the sizes in docs/architecture.md. Read from the source's syntax trees, so it needs no import.
+"""The shape of the code: the folders keep their order, every import points down, no private name
+crosses modules, nothing grows past the sizes in docs/architecture.md. Read from the source's
+syntax trees, so it needs no import.
 
-LAYERS is the same list as the picture in docs/architecture.md ("Layers"): change both together.
-A module may import a module of its own layer or of a lower one, never a higher one, and the
+ORDER is the same list as the picture in docs/architecture.md ("Folders"): change both together.
+A module may import a module of its own place or of a lower one, never a higher one, and the
 import graph has no cycle (imports inside functions count too: hiding an import in a function
-does not remove the dependency).
+does not remove the dependency). Inside a folder only the cycle check orders the modules.
 """
 
 from __future__ import annotations
@@ -18,46 +19,22 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "tokenmill"
 
-# bottom → top; one entry per layer
-LAYERS: list[tuple[str, ...]] = [
-    ("tokenmill.errors",),
-    ("tokenmill.io", "tokenmill.procs", "tokenmill.child", "tokenmill.metrics", "tokenmill.sampler",
-     "tokenmill.textfields",
-     "tokenmill.arrays",
-     "tokenmill.pacing", "tokenmill.ring", "tokenmill.watch", "tokenmill.options",
-     "tokenmill.segments", "tokenmill.lifetime", "tokenmill.ranks"),
-    ("tokenmill.records", "tokenmill.jsonl", "tokenmill.readers", "tokenmill.columnar", "tokenmill.tabular",
-     "tokenmill.splits", "tokenmill.decompress", "tokenmill.walk", "tokenmill.sources", "tokenmill.fastbpe",
-     "tokenmill.tokenizer_files", "tokenmill.tokenizer", "tokenmill.pack", "tokenmill.rows",
-     "tokenmill.attention", "tokenmill.balance", "tokenmill.cpsplit", "tokenmill.seqlens",
-     "tokenmill.mixture"),
-    ("tokenmill.packfit",),
-    ("tokenmill.packplan",),
-    ("tokenmill.store.format",),
-    ("tokenmill.store.cache", "tokenmill.store.upload", "tokenmill.store.shards"),
-    ("tokenmill.store.writer", "tokenmill.store.reader"),
-    ("tokenmill.store.verify",),
-    ("tokenmill.store",),
-    ("tokenmill.prepare.split", "tokenmill.prepare.transform"),
-    ("tokenmill.prepare.tokenize",),
-    ("tokenmill.prepare.pool", "tokenmill.prepare.identity"),
-    ("tokenmill.prepare.run",),
-    ("tokenmill.integrations.ray",),
-    ("tokenmill.prepare",),
-    ("tokenmill.plan",),
-    ("tokenmill.resume", "tokenmill.provenance", "tokenmill.balanced"),
-    ("tokenmill.streaming.*",),
-    ("tokenmill.streaming",),
-    ("tokenmill.workers",),
-    ("tokenmill.loader",),
-    ("tokenmill.device", "tokenmill.inspection", "tokenmill.shardexport", "tokenmill.interchange",
-     "tokenmill.bench*", "tokenmill.demo"),
-    ("tokenmill.cli", "tokenmill.integrations", "tokenmill.integrations.torch",
-     "tokenmill.integrations.jax", "tokenmill.integrations.grain", "tokenmill.integrations.hf",
-     "tokenmill.integrations.torchtitan"),
-    ("tokenmill.torch", "tokenmill.jax", "tokenmill.grain", "tokenmill.hf", "tokenmill.__main__"),
-    ("tokenmill",),
+# bottom → top: folders of src/tokenmill (a dotted entry is one module, placed apart from its
+# folder); TOP is the package itself and the modules beside its folders
+TOP = "(top level)"
+ORDER: list[tuple[str, ...]] = [
+    ("base",),
+    ("inputs", "tokenizer"),
+    ("store",),
+    ("prepare",),
+    ("load",),
+    ("streaming",),
+    ("load.loader", "load.device"),  # the Loader facade: Loader.from_text opens a stream
+    ("observe",),
+    ("integrations",),
+    (TOP,),
 ]
+MAX_TOP_LEVEL_MODULES = 12
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
 MAX_INIT_PARAMS = 8
@@ -76,15 +53,31 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def layer_of(name: str) -> int | None:
-    """Index of the layer a module belongs to (patterns ending in * match a prefix)."""
-    for i, layer in enumerate(LAYERS):
-        for pattern in layer:
-            if pattern.endswith("*") and name.startswith(pattern[:-1]) and name != pattern[:-2]:
-                return i
-            if name == pattern:
-                return i
+def place_of(name: str) -> int | None:
+    """Index in ORDER of a module's place: the longest entry it falls under, TOP for the package
+    and its top-level modules, None for a module of a folder ORDER does not name."""
+    rest = name.removeprefix("tokenmill").removeprefix(".")
+    best: tuple[int, int] | None = None
+    for i, entries in enumerate(ORDER):
+        for entry in entries:
+            if (rest == entry or rest.startswith(entry + ".")) and (best is None or len(entry) > best[1]):
+                best = (i, len(entry))
+    if best is not None:
+        return best[0]
+    if not rest or ("." not in rest and not (PACKAGE / rest).is_dir()):
+        return len(ORDER) - 1
     return None
+
+
+def climbs(graph: dict[str, set[tuple[str, int]]]) -> list[str]:
+    """Every import of a module placed above the importer's place, as "src:line imports dst"."""
+    bad = []
+    for src, targets in sorted(graph.items()):
+        for dst, line in sorted(targets):
+            a, b = place_of(src), place_of(dst)
+            if a is not None and b is not None and b > a:
+                bad.append(f"{src}:{line} imports {dst} ({'/'.join(ORDER[b])} above {'/'.join(ORDER[a])})")
+    return bad
 
 
 def resolve(name: str, path: Path, node: ast.ImportFrom) -> str:
@@ -178,9 +171,14 @@ def cycles(graph: dict[str, set[tuple[str, int]]]) -> list[list[str]]:
     return out
 
 
-def test_every_module_has_a_layer():
-    missing = [m for m in modules() if layer_of(m) is None]
-    assert not missing, f"place these modules in LAYERS (and docs/architecture.md): {missing}"
+def test_every_module_has_a_place():
+    missing = [m for m in modules() if place_of(m) is None]
+    assert not missing, f"place these modules' folders in ORDER (and docs/architecture.md): {missing}"
+
+
+def test_few_modules_sit_at_the_top_level():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} top-level modules (> {MAX_TOP_LEVEL_MODULES}): {top}"
 
 
 def test_no_import_cycles():
@@ -189,14 +187,26 @@ def test_no_import_cycles():
 
 
 def test_every_import_points_down():
-    known = modules()
-    bad = []
-    for src, targets in imports(known).items():
-        for dst, line in sorted(targets):
-            a, b = layer_of(src), layer_of(dst)
-            if a is not None and b is not None and b > a:
-                bad.append(f"{src}:{line} imports {dst} (layer {b} above {a})")
+    bad = climbs(imports(modules()))
     assert not bad, "upward imports:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("graph, want", [
+    ({"tokenmill.base.io": {("tokenmill.load.plan", 3)}},
+     ["tokenmill.base.io:3 imports tokenmill.load.plan (load above base)"]),
+    ({"tokenmill.streaming.loader": {("tokenmill.load.loader", 7)}},
+     ["tokenmill.streaming.loader:7 imports tokenmill.load.loader (load.loader/load.device above streaming)"]),
+    ({"tokenmill.load.plan": {("tokenmill.streaming", 9)}},
+     ["tokenmill.load.plan:9 imports tokenmill.streaming (streaming above load)"]),
+    ({"tokenmill.store.writer": {("tokenmill.cli", 2)}},
+     [f"tokenmill.store.writer:2 imports tokenmill.cli ({TOP} above store)"]),
+    ({"tokenmill.load.loader": {("tokenmill.streaming", 1), ("tokenmill.load.plan", 2)},
+      "tokenmill.cli": {("tokenmill.observe.bench", 3)}, "tokenmill.inputs.sources": {("tokenmill.tokenizer", 4)},
+      "tokenmill.prepare": {("tokenmill.prepare.ray", 5)}},
+     []),
+])
+def test_the_order_check_finds_a_climbing_import(graph, want):
+    assert climbs(graph) == want
 
 
 def test_no_private_name_crosses_modules():

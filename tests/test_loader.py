@@ -13,10 +13,10 @@ import pytest
 
 from conftest import (assert_resumes_exactly, assert_worker_death_is_an_error, same,
                       stdlib_texts, take, write_jsonl, write_positional_store)
-from tokenmill import plan as plan_mod
+from tokenmill.load import plan as plan_mod
 from tokenmill import prepare
-from tokenmill.errors import ConfigError, StoreError
-from tokenmill.loader import MAX_PREFETCH, Loader, StaleIterator
+from tokenmill.base.errors import ConfigError, StoreError
+from tokenmill.load.loader import MAX_PREFETCH, Loader, StaleIterator
 
 L = 16
 
@@ -197,7 +197,7 @@ def test_epochs_stop_and_len(store):
 
 
 def test_worker_exception_surfaces_with_its_message(store, monkeypatch):
-    from tokenmill import plan as plan_mod
+    from tokenmill.load import plan as plan_mod
 
     def boom(self, addrs, starts, dest, out):
         raise ValueError("boom from a worker")
@@ -225,7 +225,7 @@ def test_dead_worker_process_is_an_error_not_a_hang(store):
                 world_size=1) as ld:
         it = iter(ld)
         next(it)
-        workers = [c for c in psutil.Process().children() if "tokenmill.child" in c.cmdline()]
+        workers = [c for c in psutil.Process().children() if "tokenmill.base.child" in c.cmdline()]
         assert len(workers) == 1
         # what was computed ahead: at most MAX_PREFETCH batches (the ring: and two more)
         error = assert_worker_death_is_an_error(it, workers, budget=MAX_PREFETCH + 2)
@@ -360,7 +360,7 @@ class VirtualClock:
 
 def test_auto_prefetch_deepens_only_while_waiting(store, monkeypatch):
     import types
-    from tokenmill import loader as loader_mod
+    from tokenmill.load import loader as loader_mod
     real_fill = plan_mod.BatchPlan.fill
     clock = VirtualClock()
     monkeypatch.setattr(loader_mod, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
@@ -396,7 +396,7 @@ def test_meter_reads_the_loaders_stages(store):
 
 
 def test_memory_plan_matches_the_buffers(store):
-    from tokenmill.loader import memory_plan
+    from tokenmill.load.loader import memory_plan
     for layout in ("concat", "packed"):
         with Loader(store, seq_len=L, batch_size=4, layout=layout, rank=0, world_size=1,
                     num_workers=1, prefetch=3) as ld:
@@ -626,7 +626,7 @@ def test_two_threads_taking_from_one_ring_never_hand_out_a_held_buffer():
     # handed-out queue must not interleave (it would free a buffer someone holds)
     import sys
     import threading
-    from tokenmill.ring import Ring
+    from tokenmill.load.ring import Ring
     ring = Ring(lambda: {"inputs": np.zeros(4, np.int64)}, size=64)
     bad, held = [], []
     old = sys.getswitchinterval()

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import write_jsonl
 from tokenmill import Loader, prepare
-from tokenmill.errors import ConfigError, StoreError
+from tokenmill.base.errors import ConfigError, StoreError
 
 
 def tm(*args, cwd=None):
@@ -182,7 +182,7 @@ def test_a_full_cache_dir_says_so_of_cache_dir_not_prepare(data, tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     # was "…: the disk is full; free some space and run the same command again ('tokenmill
     # prepare' resumes where it stopped)"
-    assert done.returncode != 0 and last.startswith("tokenmill.errors.DiskFullError: "), done.stderr
+    assert done.returncode != 0 and last.startswith("tokenmill.base.errors.DiskFullError: "), done.stderr
     assert f"cannot write (File too large): the disk holding cache_dir {tmp_path / 'cache'} is " \
            "full; free some space or pass a cache_dir on a disk with room" in last
     assert "prepare" not in last

@@ -6,8 +6,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from tokenmill.errors import ConfigError
-from tokenmill.metrics import (
+from tokenmill.base.errors import ConfigError
+from tokenmill.observe.metrics import (
     DATA_BOUND_ABOVE_PCT,
     EXCELLENT_BELOW_PCT,
     POOR_ABOVE_PCT,

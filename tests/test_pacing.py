@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from conftest import assert_resumes_exactly, same, take, write_positional_store
-from tokenmill import pacing
-from tokenmill.loader import Loader
-from tokenmill.metrics import Meter
-from tokenmill.pacing import GO_AHEAD, Pacer
-from tokenmill.procs import usable_cores
+from tokenmill.load import pacing
+from tokenmill.load.loader import Loader
+from tokenmill.observe.metrics import Meter
+from tokenmill.load.pacing import GO_AHEAD, Pacer
+from tokenmill.base.procs import usable_cores
 
 L = 16
 

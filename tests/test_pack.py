@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.errors import ConfigError
-from tokenmill.pack import (
+from tokenmill.base.errors import ConfigError
+from tokenmill.load.pack import (
     concat_num_samples,
     concat_offset,
     concat_starts,
@@ -253,7 +253,7 @@ def test_read_callable_and_destination_rows_give_the_same_batch():
 
 
 def test_fill_metadata_the_docstring_row():
-    from tokenmill.segments import fill_metadata
+    from tokenmill.load.segments import fill_metadata
     out = {k: np.full((2, 7), 9, np.int32) for k in ("segment_ids", "positions", "loss_mask")}
     # row 0: segments of 3 and 4 tokens then padding; row 1: one segment filling the row
     fill_metadata(out, slice(0, 2), (2, 8), np.array([0, 3, 8]), np.array([3, 4, 8]),

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from conftest import lengths_summing_to, write_positional_store, write_sparse_store
 
-from tokenmill import Loader, pack
-from tokenmill.errors import ConfigError
-from tokenmill.packfit import fit_rows
-from tokenmill.packplan import PackedPlan, docs_per_window, epoch_layout
+from tokenmill import Loader
+from tokenmill.load import pack
+from tokenmill.base.errors import ConfigError
+from tokenmill.load.packfit import fit_rows
+from tokenmill.load.packplan import PackedPlan, docs_per_window, epoch_layout
 from tokenmill.store import TokenStore
 
 

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from conftest import take, write_positional_store
 
-from tokenmill import Loader, pack
-from tokenmill.packfit import fit_rows
-from tokenmill.packplan import PackedPlan
+from tokenmill import Loader
+from tokenmill.load import pack
+from tokenmill.load.packfit import fit_rows
+from tokenmill.load.packplan import PackedPlan
 from tokenmill.store import TokenStore
 
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from conftest import lengths_summing_to, same, write_positional_store
-from tokenmill import pack, sampler
-from tokenmill.errors import ConfigError, StoreError
-from tokenmill.loader import Loader
-from tokenmill.plan import (BatchPlan, LayoutConfig, batch_at, check_identity, consumed_of,
-                            global_positions, identity_of, plan_from_spec)
-from tokenmill.rows import SLICE_SEGMENTS, one_piece_starts
+from tokenmill.load import pack, sampler
+from tokenmill.base.errors import ConfigError, StoreError
+from tokenmill.load.loader import Loader
+from tokenmill.load.plan import (BatchPlan, LayoutConfig, batch_at, check_identity, consumed_of,
+                                 global_positions, identity_of, plan_from_spec)
+from tokenmill.load.rows import SLICE_SEGMENTS, one_piece_starts
 from tokenmill.store import TokenStore
 
 L = 8

@@ -18,7 +18,7 @@ import pytest
 import zstandard
 
 from conftest import docs_of, kill_after_first_commit, store_bytes, write_jsonl
-from tokenmill.errors import ConcurrentWriterError, ConfigError, InputError, StoreError
+from tokenmill.base.errors import ConcurrentWriterError, ConfigError, InputError, StoreError
 from tokenmill.prepare import prepare
 from tokenmill.store import TokenStore, verify_store
 from tokenmill.tokenizer import load_tokenizer
@@ -356,7 +356,7 @@ class ExitInWorker:
 
 
 def test_a_worker_that_exits_reports_its_code_and_stderr_and_no_false_advice():
-    from tokenmill.errors import WorkerError
+    from tokenmill.base.errors import WorkerError
     from tokenmill.prepare import PrepareConfig, UnitPool
     with UnitPool(2, PrepareConfig()) as pool:
         pool.submit(0, ExitInWorker())

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.errors import ConfigError
-from tokenmill.procs import (Failed, RemoteError, RemoteTraceback, Worker, WorkerDied,
-                             exit_reason, resolve_workers, stop_all, usable_cores)
+from tokenmill.base.errors import ConfigError
+from tokenmill.base.procs import (Failed, RemoteError, RemoteTraceback, Worker, WorkerDied,
+                                  exit_reason, resolve_workers, stop_all, usable_cores)
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -206,7 +206,7 @@ def test_a_child_exits_by_itself_when_its_parent_is_killed(tmp_path):
     parent.write_text(textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from tokenmill.procs import Worker
+        from tokenmill.base.procs import Worker
         from test_procs import wait_forever
         w = Worker(wait_forever, name="orphan")
         print(w.recv(), flush=True)
@@ -237,7 +237,7 @@ def test_a_script_without_a_main_guard_starts_workers_and_runs_once(tmp_path):
     script = tmp_path / "user_script.py"
     runs = tmp_path / "runs.txt"
     script.write_text(textwrap.dedent(f"""
-        from tokenmill.procs import Worker
+        from tokenmill.base.procs import Worker
         from helpers import triple
         with open({str(runs)!r}, "a") as f:
             f.write("ran\\n")
@@ -299,8 +299,8 @@ def test_a_user_script_without_a_main_guard_prepares_with_two_workers_once(tmp_p
 # ---- SIGTERM, and processes a library left behind ---------------------------------------------
 
 def test_sigterm_raises_terminated_once_and_the_old_handler_comes_back():
-    from tokenmill.errors import Terminated
-    from tokenmill.procs import sigterm_exits
+    from tokenmill.base.errors import Terminated
+    from tokenmill.base.procs import sigterm_exits
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Terminated) as caught:
         with sigterm_exits():
@@ -327,7 +327,7 @@ def test_sigterm_raises_terminated_once_and_the_old_handler_comes_back():
 
 
 def test_end_trees_ends_children_and_what_they_started():
-    from tokenmill.procs import children, end_trees
+    from tokenmill.base.procs import children, end_trees
     # a child that ignores SIGTERM (SIGKILL after the grace), and its own child, a grandchild
     script = "import signal, subprocess, sys, time\n" \
              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" \

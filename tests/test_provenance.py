@@ -19,10 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import tokenmill
-from tokenmill import readers
-from tokenmill.loader import Loader
-from tokenmill.provenance import SOURCE_UNKNOWN
-from tokenmill.records import Unit, unit_lines_relative
+from tokenmill.inputs import readers
+from tokenmill.load.loader import Loader
+from tokenmill.load.provenance import SOURCE_UNKNOWN
+from tokenmill.inputs.records import Unit, unit_lines_relative
 from tokenmill.store import TokenStore
 from tokenmill.store.format import SOURCES, parse_src
 from tokenmill.store.verify import verify_store
@@ -181,15 +181,15 @@ def test_line_bases_add_up_and_a_resume_counts_once(tmp_path):
     path = tmp_path / "t.txt"
     path.write_text(body)
     config = readers.SourceConfig(unit_bytes=17, txt_mode="lines", on_error="skip")
-    units = tokenmill.sources.plan_units([str(path)], config)
+    units = tokenmill.inputs.sources.plan_units([str(path)], config)
     want = [i + 1 for i in range(80) if i % 5 or i % 9 == 4]
 
     def lines_from(first: int) -> list[int]:
         bases, out = readers.LineBases(units), []
         for u in range(first, len(units)):
             count = readers.LineCount()
-            docs = [d for d in tokenmill.sources.read_unit(units[u], config, None, count)
-                    if isinstance(d, tokenmill.sources.Doc)]
+            docs = [d for d in tokenmill.inputs.sources.read_unit(units[u], config, None, count)
+                    if isinstance(d, tokenmill.inputs.sources.Doc)]
             out += bases.absolute(u, np.array([d.line for d in docs], np.int64),
                                   count.newlines).tolist()
         return out
@@ -213,7 +213,7 @@ def test_a_resumed_prepare_writes_the_same_sidecars(tmp_path, monkeypatch):
     monkeypatch.setattr(StoreWriter, "commit", commit_then_die)
     with pytest.raises(KeyboardInterrupt):
         prepare(tmp_path / "in", tmp_path / "resumed", "lines", unit_bytes=250, shard_tokens=700)
-    units = tokenmill.sources.plan_units(
+    units = tokenmill.inputs.sources.plan_units(
         sorted(str(p) for p in (tmp_path / "in").iterdir()),
         readers.SourceConfig(unit_bytes=250, txt_mode="lines"))
     u, d = calls[-1]

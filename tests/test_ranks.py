@@ -28,7 +28,7 @@ TIMEOUT_S = 300  # a hang fails the test instead of the suite
 # ---- the checks, as pure functions --------------------------------------------------------------
 
 def test_the_rank_that_differs_is_named_with_its_setting_and_what_to_do():
-    from tokenmill.ranks import disagreement
+    from tokenmill.load.ranks import disagreement
     rows = [{"rank": r, "seq_len": 8, "seed": 1337 + r} for r in range(2)]
     msg = disagreement(rows)
     assert msg.startswith("ranks disagree: rank 1's Loader has seed=1338 where rank 0's has "
@@ -43,7 +43,7 @@ def test_the_rank_that_differs_is_named_with_its_setting_and_what_to_do():
 
 
 def test_ranks_given_twice_or_out_of_range_are_named():
-    from tokenmill.ranks import rank_clash
+    from tokenmill.load.ranks import rank_clash
     assert rank_clash([0, 1, 2]) is None and rank_clash([2, 0, 1]) is None
     assert rank_clash([0, 0]).startswith("ranks 0, 1 both made their Loader with rank=0 "
                                          "(world_size=2), and no rank reads the slice of rank=1:")
@@ -53,7 +53,7 @@ def test_ranks_given_twice_or_out_of_range_are_named():
 
 
 def test_jax_rows_travel_as_int32_pairs_and_compare_as_the_values_would():
-    from tokenmill.ranks import Hashed, decoded, disagreement, encoded
+    from tokenmill.load.ranks import Hashed, decoded, disagreement, encoded
     mine = {"rank": 1, "seed": 2**40, "layout": "packed", "stores": ["ab", "cd"], "max": None}
     pairs = encoded(mine)
     assert pairs.dtype == np.int32 and pairs.shape == (10,)
@@ -68,7 +68,7 @@ def test_jax_rows_travel_as_int32_pairs_and_compare_as_the_values_would():
 
 def test_one_process_and_no_process_group_check_nothing(tmp_path):
     from conftest import write_positional_store
-    from tokenmill.loader import Loader
+    from tokenmill.load.loader import Loader
     store = write_positional_store(tmp_path / "s", [40] * 10)
     # no process group: rank and world_size as given, nothing gathered, batches as ever
     with Loader(store, seq_len=L, batch_size=B, seed=1338, rank=1, world_size=2) as loader:
@@ -125,7 +125,7 @@ def run_ranks(kind, n, scenarios, data, tmp_path):
 
 def expected(store, n):
     """Each rank's batches of one epoch (seed 1337), from the pure plan in this one process."""
-    from tokenmill.loader import Loader
+    from tokenmill.load.loader import Loader
     loaders = [Loader(store, seq_len=L, batch_size=B, seed=1337, rank=r, world_size=n)
                for r in range(n)]
     return [[lo.batch_at(k * B * n)["inputs"].tolist() for k in range(96 // (B * n))]
@@ -221,7 +221,7 @@ def rank_main(kind, out, store, text, scenarios):
 
 
 def _loader(store, explicit, **kw):
-    from tokenmill.loader import Loader
+    from tokenmill.load.loader import Loader
     return Loader(store, seq_len=L, batch_size=B, epochs=1, **{**explicit, **kw})
 
 
@@ -245,7 +245,7 @@ def seed_per_rank(rank, world, store, text, out, explicit, seen):
 
 
 def stream_seed_per_rank(rank, world, store, text, out, explicit, seen):
-    from tokenmill.loader import Loader
+    from tokenmill.load.loader import Loader
     loader = Loader.from_text(text, tokenizer="bytes", seq_len=L, batch_size=B,
                               cache_dir=Path(out) / f"cache{rank}", seed=1337 + rank,
                               num_workers=0, **explicit)

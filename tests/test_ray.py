@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from conftest import OnTerminal, held_corpus, store_bytes, write_jsonl
-from tokenmill.errors import ConfigError, InputError
-from tokenmill.integrations.ray import Job, cut, stage_unit
+from tokenmill.base.errors import ConfigError, InputError
+from tokenmill.prepare.ray import Job, cut, stage_unit
 from tokenmill.prepare import PrepareConfig, prepare
-from tokenmill.sources import Unit
+from tokenmill.inputs.sources import Unit
 from tokenmill.store import ShardWriter
 
 pytestmark = pytest.mark.ray

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from conftest import docs_of, write_jsonl
-from tokenmill import jsonl, sources
-from tokenmill.errors import InputError
+from tokenmill.inputs import jsonl, sources
+from tokenmill.base.errors import InputError
 from tokenmill.prepare import PrepareConfig, prepare, tokenize_unit
 from tokenmill.prepare.pool import ReadAhead, inline_results
 from tokenmill.tokenizer import load_tokenizer
@@ -106,7 +106,7 @@ def test_a_compressed_input_is_planned_once(tmp_path, monkeypatch):
     """Planning a .jsonl.gz decompresses it whole: the early reader (which does not take
     compressed inputs) must not plan it before start_run does."""
     import gzip
-    from tokenmill import readers
+    from tokenmill.inputs import readers
     with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in TEXTS)
     calls = []

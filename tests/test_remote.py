@@ -28,10 +28,10 @@ import s3fs  # noqa: F401  not a skip; the moto fixtures `s3`, `s3_endpoint` are
 
 import tokenmill  # noqa: E402
 from conftest import store_bytes, write_jsonl, write_positional_store  # noqa: E402
-from tokenmill.io import json_bytes, list_sizes  # noqa: E402
-from tokenmill.errors import ConfigError, StoreError  # noqa: E402
+from tokenmill.base.io import json_bytes, list_sizes  # noqa: E402
+from tokenmill.base.errors import ConfigError, StoreError  # noqa: E402
 from tokenmill.prepare import prepare  # noqa: E402
-from tokenmill.sources import SourceConfig, read_documents  # noqa: E402
+from tokenmill.inputs.sources import SourceConfig, read_documents  # noqa: E402
 from tokenmill.store import TokenStore, verify_store  # noqa: E402
 from tokenmill.store import cache, upload  # noqa: E402
 from tokenmill.store.cache import CacheFullError, ShardCache  # noqa: E402

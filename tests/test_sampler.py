@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.errors import ConfigError
-from tokenmill.sampler import (
+from tokenmill.base.errors import ConfigError
+from tokenmill.load.sampler import (
     assign,
     batch_positions,
     epoch_of,

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from conftest import lengths_summing_to, same, take, write_positional_store
-from tokenmill import sampler
+from tokenmill.load import sampler
 from tokenmill.cli import main
-from tokenmill.errors import ConfigError
-from tokenmill.loader import Loader
+from tokenmill.base.errors import ConfigError
+from tokenmill.load.loader import Loader
 
 L, B = 8, 4  # seq_len; global batch 4 samples a step
 OFFSET = 1_000_000  # store i's tokens are i·OFFSET + position: a row names its store

@@ -19,11 +19,11 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import tokenmill.io
-from tokenmill import decompress, readers, sources
-from tokenmill.errors import ConfigError, InputError
-from tokenmill.sources import (REASONS, Doc, SourceConfig, Skip, Unit, format_of, list_files,
-                               plan_units, read_documents)
+import tokenmill.base.io
+from tokenmill.inputs import decompress, readers, sources
+from tokenmill.base.errors import ConfigError, InputError
+from tokenmill.inputs.sources import (REASONS, Doc, SourceConfig, Skip, Unit, format_of, list_files,
+                                      plan_units, read_documents)
 
 
 def read_unit(*args, **kwargs):
@@ -581,7 +581,7 @@ def test_permission_denied_is_unreadable(tmp_path, monkeypatch):
 
     def deny(*args, **kwargs):
         raise denied
-    monkeypatch.setattr(tokenmill.io, "open", deny, raising=False)  # root may read any file: simulate
+    monkeypatch.setattr(tokenmill.base.io, "open", deny, raising=False)  # root may read any file: simulate
     assert events(p, on_error="skip") == [Skip(p, "file", "unreadable", f"PermissionError: {denied}")]
     with pytest.raises(InputError, match=f"{p}: cannot read file .PermissionError.*; "
                                          "check that it exists and is readable, or pass --on-error skip"):

@@ -20,10 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenmill import splits, tabular
-from tokenmill.errors import InputError
-from tokenmill.records import Doc, problem
-from tokenmill.sources import SourceConfig, Skip, list_inputs, plan_units, read_documents, read_unit
+from tokenmill.inputs import splits, tabular
+from tokenmill.base.errors import InputError
+from tokenmill.inputs.records import Doc, problem
+from tokenmill.inputs.sources import SourceConfig, Skip, list_inputs, plan_units, read_documents, read_unit
 from tokenmill.store import TokenStore
 
 TOKENMILL = Path(sys.executable).with_name("tokenmill")
@@ -513,7 +513,7 @@ def test_hf_dataset_prepared_through_the_cli(hub, tmp_path):
 def test_hf_url_without_huggingface_hub_says_what_to_install(tmp_path):
     script = tmp_path / "nohub.py"  # a script without a __main__ guard, as users write them
     script.write_text("import sys\nsys.modules['huggingface_hub'] = None\n"
-                      "from tokenmill.sources import list_inputs\n"
+                      "from tokenmill.inputs.sources import list_inputs\n"
                       "try:\n    list_inputs('hf://datasets/org/name')\n"
                       "except Exception as e:\n    print(type(e).__name__, e)\n")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,

@@ -14,7 +14,7 @@ import pytest
 import xxhash
 
 import tokenmill
-from tokenmill.errors import ConfigError, StoreError
+from tokenmill.base.errors import ConfigError, StoreError
 from tokenmill.store import (ShardInfo, ShardWriter, TokenStore, atomic_write_json, build_manifest,
                              idx_bytes, manifest_checksum, read_idx, shard_name, verify_store)
 

@@ -20,10 +20,10 @@ import pytest
 from conftest import (assert_resumes_exactly, assert_worker_death_is_an_error, stdlib_texts,
                       store_bytes, take, write_jsonl)
 from tokenmill import Loader, Meter, prepare, verify_store
-from tokenmill.errors import ConfigError, InputError, StaleIterator
-from tokenmill.pack import concat_offset
+from tokenmill.base.errors import ConfigError, InputError, StaleIterator
+from tokenmill.load.pack import concat_offset
 from tokenmill.prepare.pool import UNITS_PER_WORKER
-from tokenmill.sampler import hash_ints
+from tokenmill.load.sampler import hash_ints
 from tokenmill.store.writer import LOCK, PROGRESS
 from tokenmill.streaming import DELAY_TAG, emission_order, emission_time, emitted_before
 from tokenmill.streaming.producer import READY_BATCHES
@@ -451,7 +451,7 @@ def test_a_script_without_a_main_guard_streams_with_worker_processes(corpus, tmp
 RESUME_SCRIPT = """\
 import json, sys
 from tokenmill import Loader
-from tokenmill.errors import ConfigError
+from tokenmill.base.errors import ConfigError
 
 root, cache, state_file = sys.argv[1:4]
 ld = Loader.from_text([root], seq_len={L}, batch_size={B}, cache_dir=cache, seed=0, rank=0,

@@ -13,10 +13,10 @@ import pytest
 
 from conftest import assert_resumes_exactly, stdlib_texts, store_bytes, take, write_jsonl
 from tokenmill import Loader, prepare
-from tokenmill.attention import varlen_args
-from tokenmill.errors import ConfigError
-from tokenmill.pack import fill_packed_rows, pack_documents
-from tokenmill.sampler import hash_ints
+from tokenmill.load.attention import varlen_args
+from tokenmill.base.errors import ConfigError
+from tokenmill.load.pack import fill_packed_rows, pack_documents
+from tokenmill.load.sampler import hash_ints
 from tokenmill.streaming import DELAY_TAG
 from tokenmill.streaming.rows import pass_layout, window_ends
 
@@ -352,7 +352,7 @@ def mixed(sources, cache, **kw):
 def mixed_reference(sources, tmp_path, steps, *, world_size=1, **kw):
     """Global batches built from each source streamed alone: position p is draw d of source s
     by the store Loader's schedule, and draw d is sample d of that source's own stream."""
-    from tokenmill.sampler import assign_phased, phased_schedule
+    from tokenmill.load.sampler import assign_phased, phased_schedule
     gb = B * world_size
     phases = phased_schedule([(p, [w.get(n, 0.0) for n in NAMES]) for p, w in PHASES])
     sid, draw = assign_phased(phases, np.arange(steps * gb))

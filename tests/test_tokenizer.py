@@ -21,9 +21,9 @@ from tokenizers import pre_tokenizers, trainers  # noqa: E402
 
 from conftest import FRAGMENTS, MULTILINGUAL, edited, ids_of, training_texts  # noqa: E402
 
-from tokenmill.errors import ConfigError, TokenizerError  # noqa: E402
-from tokenmill.tokenizer_files import openai_params  # noqa: E402
-from tokenmill.fastbpe import _bytes_to_unicode, scrub  # noqa: E402
+from tokenmill.base.errors import ConfigError, TokenizerError  # noqa: E402
+from tokenmill.tokenizer.files import openai_params  # noqa: E402
+from tokenmill.tokenizer.fastbpe import _bytes_to_unicode, scrub  # noqa: E402
 from tokenmill.tokenizer import (  # noqa: E402
     encode_documents, load_tokenizer, token_dtype, train_bpe,
 )

@@ -24,10 +24,10 @@ import xxhash
 
 from conftest import MULTILINGUAL, edited, ids_of, training_texts, write_jsonl
 from tokenmill import load_tokenizer, prepare
-from tokenmill.errors import TokenizerError
-from tokenmill.fastbpe import _bytes_to_unicode
+from tokenmill.base.errors import TokenizerError
+from tokenmill.tokenizer.fastbpe import _bytes_to_unicode
 from tokenmill.store import TokenStore
-from tokenmill.tokenizer_files import sniff
+from tokenmill.tokenizer.files import sniff
 
 TEXTS = training_texts()[:6] + MULTILINGUAL + ["", "don't 1234567 3.14  \n\n\t😀"]
 BLOB = "https://openaipublic.blob.core.windows.net/"

@@ -18,10 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import byte_texts, docs_of, kill_after_first_commit, store_bytes, write_jsonl
-from tokenmill.errors import ConfigError
+from tokenmill.base.errors import ConfigError
 from tokenmill.prepare import prepare
 from tokenmill.prepare.split import is_val, keep_side, kept_indices
-from tokenmill.records import Skip
+from tokenmill.inputs.records import Skip
 
 TOKENMILL = Path(sys.executable).with_name("tokenmill")  # the venv's console script
 EOS = 256

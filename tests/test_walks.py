@@ -2,7 +2,7 @@
 
 Real `tokenmill prepare` processes (python -m tokenmill) on real folders holding real symbolic
 links, a git checkout's hidden files and folders; the store's exact documents and the note. One
-rule for walks and globs (tokenmill.walk): hidden names are passed over and counted, a link to a
+rule for walks and globs (tokenmill.inputs.walk): hidden names are passed over and counted, a link to a
 folder is followed, each folder walked once (a link loop never recurses), each file read once.
 """
 

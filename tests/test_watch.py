@@ -9,13 +9,13 @@ import time
 
 import pytest
 
-from tokenmill.errors import ConfigError
-from tokenmill.watch import Watch, slowest
+from tokenmill.base.errors import ConfigError
+from tokenmill.observe.watch import Watch, slowest
 
 RANK = textwrap.dedent("""
     import json, sys, time
     import torch.distributed as dist
-    from tokenmill.watch import Watch
+    from tokenmill.observe.watch import Watch
     rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
@@ -107,7 +107,8 @@ def properly_nested(row) -> bool:
 def test_the_trace_has_the_loaders_stages_nested_in_each_steps_data_wait(tmp_path, ahead,
                                                                         monkeypatch):
     from conftest import write_positional_store
-    from tokenmill import Loader, pacing
+    from tokenmill import Loader
+    from tokenmill.load import pacing
     store = write_positional_store(tmp_path / "s", [40] * 200, shard_tokens=1000)
     if ahead:  # every batch "costly": the default hands them to its worker thread
         monkeypatch.setattr(pacing, "handoff_cost", lambda submit, kind="thread": -1.0)

@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from tokenmill.errors import ConfigError, Terminated, TokenmillError, is_int, os_error_text, redact
+from tokenmill.base.errors import ConfigError, Terminated, TokenmillError, is_int, os_error_text, redact
 
 USAGE_EXIT = 2  # argparse's code; also every TokenmillError (a refusal that says what to do)
 FAILED_EXIT = 1  # the system said no: a read-only disk, a missing folder, out of memory
@@ -145,7 +145,7 @@ def _int_or_none(value: str) -> int | None:
 
 def add_prepare(sub) -> None:
     """``tokenmill prepare``."""
-    from tokenmill.textfields import add_arguments as add_text_arguments
+    from tokenmill.inputs.textfields import add_arguments as add_text_arguments
     pp = subcommand(sub, "prepare", run_prepare, "tokenize text files into a token store")
     pp.add_argument("inputs", nargs="+", metavar="INPUT",
                     help="files, directories, globs or URLs (.txt .jsonl[.gz|.zst] "
@@ -239,7 +239,7 @@ def add_export(sub) -> None:
 
 def add_bench(sub) -> None:
     """``tokenmill bench``."""
-    from tokenmill.bench import add_arguments  # numpy and the peers' registry: only when asked
+    from tokenmill.observe.bench import add_arguments  # numpy and the peers' registry: only when asked
     pb = subcommand(sub, "bench", run_bench, "compare tokenmill with other loaders on a store")
     add_arguments(pb)
 
@@ -308,7 +308,7 @@ def add_demo(sub) -> None:
 def run_prepare(args) -> int:
     """Tokenize the inputs into a store."""
     from tokenmill.prepare import prepare
-    from tokenmill.procs import sigterm_exits
+    from tokenmill.base.procs import sigterm_exits
     options = dict(text_key=args.text_key, txt_mode=args.txt_mode, on_error=args.on_error,
                    add_eos=not args.no_eos, add_bos=args.bos, eos=args.eos_token,
                    tokenizer_engine="hf" if args.no_fast_tokenizer else args.tokenizer_engine,
@@ -328,8 +328,8 @@ def run_prepare(args) -> int:
 
 def run_inspect(args) -> int:
     """Describe a store (text or JSON), optionally plotting its document lengths."""
-    from tokenmill.inspection import (describe, format_description, format_packing,
-                                      packing_quality, plot_lengths)
+    from tokenmill.observe.inspection import (describe, format_description, format_packing,
+                                              packing_quality, plot_lengths)
     info = describe(args.store)
     if args.seq_len is not None:
         info["packing"] = packing_quality(args.store, args.seq_len, args.max_segments)
@@ -380,17 +380,17 @@ def run_export(args) -> int:
 
 def run_bench(args) -> int:
     """Compare loaders on a store."""
-    from tokenmill.bench import run_from_args
+    from tokenmill.observe.bench import run_from_args
     return run_from_args(args)
 
 
 def run_plan(args) -> int:
     """Print the memory the loader's buffers take for a config."""
-    from tokenmill.loader import PREFETCH_MEMORY_BUDGET, memory_plan
+    from tokenmill.load.loader import PREFETCH_MEMORY_BUDGET, memory_plan
     if args.layout == "packed" and not args.store:
         raise ConfigError("--layout packed needs --store STORE: the packed plan's size "
                           "depends on the store's document lengths")
-    from tokenmill.packplan import window_memory
+    from tokenmill.load.packplan import window_memory
     from tokenmill.store import read_manifest
     m = read_manifest(args.store) if args.store else {"num_documents": 0, "num_tokens": 0}
     docs, packed = m["num_documents"], window_memory(m["num_documents"], m["num_tokens"], args.seq_len)
@@ -409,7 +409,7 @@ def _resume_source(stores: list[str], saved: dict, mixture: str | None):
     """The Loader source and mixture= of ``resume-check``'s store arguments."""
     named = [_named_store(s) for s in stores]
     if all(named):
-        from tokenmill.mixture import phases_from_text
+        from tokenmill.load.mixture import phases_from_text
         phases = phases_from_text(mixture) if mixture is not None else saved.get("mixture")
         if phases is None:
             raise ConfigError("named stores need the mixture phases: pass --mixture, or a state "
@@ -450,8 +450,8 @@ def _resume_settings(args, saved: dict) -> dict:
 
 def run_resume_check(args) -> int:
     """Print how a saved state and a loader over these stores differ; 0 if it resumes exactly."""
-    from tokenmill.loader import Loader
-    from tokenmill.resume import read_state
+    from tokenmill.load.loader import Loader
+    from tokenmill.load.resume import read_state
     state = read_state(args.state)
     saved = state.get("stream") if isinstance(state.get("stream"), dict) else {}
     source, mixture = _resume_source(args.stores, saved, args.mixture)
@@ -470,9 +470,9 @@ def run_resume_check(args) -> int:
 
 def run_explain(args) -> int:
     """Print the origin of every row of one step of the run, one document piece a line."""
-    from tokenmill.loader import Loader
-    from tokenmill.mixture import phases_from_text, weights_from_text
-    from tokenmill.resume import RUN_KEYS, read_state, run_settings, same_run
+    from tokenmill.load.loader import Loader
+    from tokenmill.load.mixture import phases_from_text, weights_from_text
+    from tokenmill.load.resume import RUN_KEYS, read_state, run_settings, same_run
     state = read_state(args.state) if args.state else {}
     named = [_named_store(s) for s in args.stores]
     given = {k: v for k, v in vars(args).items() if k in RUN_KEYS}  # flags not given: absent

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from tokenmill.errors import TokenmillError
-from tokenmill.io import atomic_output, atomic_write_bytes
+from tokenmill.base.errors import TokenmillError
+from tokenmill.base.io import atomic_output, atomic_write_bytes
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def naive_batches(corpus: Path, tokenizer_path: str, cfg: DemoConfig):
 def tokenmill_batches(store: Path, cfg: DemoConfig):
     """tokenmill's Loader, batches as zero-copy torch tensors."""
     import torch
-    from tokenmill.loader import Loader
+    from tokenmill.load.loader import Loader
     loader = Loader(store, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
                     rank=0, world_size=1, dtype="int64")
     for b in loader:
@@ -188,7 +188,7 @@ def tokenmill_batches(store: Path, cfg: DemoConfig):
 def train(batches, cfg: DemoConfig, peak_flops: float, label: str) -> dict:
     """Train a fresh model for ``cfg.train_seconds`` on ``batches``; the Meter times the loop."""
     import torch
-    from tokenmill.metrics import Meter, ModelCost
+    from tokenmill.observe.metrics import Meter, ModelCost
     model = build_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     cost = ModelCost.from_params(count_params(model), seq_len=cfg.seq_len, n_layers=cfg.n_layers,

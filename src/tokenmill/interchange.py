@@ -53,12 +53,12 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from tokenmill.arrays import first_outside
-from tokenmill.errors import ConfigError, InputError, TokenizerError
-from tokenmill.io import atomic_output
-from tokenmill.plan import check_tokenizers
+from tokenmill.base.arrays import first_outside
+from tokenmill.base.errors import ConfigError, InputError, TokenizerError
+from tokenmill.base.io import atomic_output
+from tokenmill.load.plan import check_tokenizers
 from tokenmill.prepare.split import check_accounts, split_of, split_sides
-from tokenmill.shardexport import nanogpt_chunks, verified_shard
+from tokenmill.store.shardexport import nanogpt_chunks, verified_shard
 from tokenmill.store import (IDX_HEADER, IDX_MAGIC, IDX_VERSION, MANIFEST, DTYPE_CODES, ShardInfo,
                              TokenStore, atomic_write_bytes, atomic_write_json, build_manifest,
                              idx_bytes, read_idx, shard_name)

@@ -27,11 +27,11 @@ except ImportError:
 
 if atheris is not None:
     with atheris.instrument_imports():
-        from tokenmill import columnar, readers, records, sources  # noqa: F401  (instrumented too)
-        from tokenmill.errors import InputError
+        from tokenmill.inputs import columnar, readers, records, sources  # noqa: F401  (instrumented too)
+        from tokenmill.base.errors import InputError
 else:
-    from tokenmill import sources
-    from tokenmill.errors import InputError
+    from tokenmill.inputs import sources
+    from tokenmill.base.errors import InputError
 
 FORMATS = ["jsonl", "jsonl.gz", "jsonl.zst", "txt", "parquet", "arrow"]
 WHERE = re.compile(r"line \d+|row \d+ \((row group|record batch) \d+\)|file")

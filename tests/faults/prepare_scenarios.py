@@ -258,7 +258,7 @@ class PrepareRun:
         (a transform: imported afresh) in a child."""
         out = self.root / name
         if settings["transform"] is None:
-            from tokenmill.errors import TokenmillError
+            from tokenmill.base.errors import TokenmillError
             from tokenmill.prepare import prepare
             try:
                 prepare([str(self.src)], out=out, workers=1, progress=False,

@@ -177,7 +177,7 @@ def tokenize_then_start_workers(a: dict) -> None:
     """Use a Hugging Face tokenizer in this process with its thread pool on, then start process
     pools (prepare with 2 workers, a Loader with 2 process workers): a forked child could inherit
     the pool's locks held and deadlock; tokenmill's workers are fresh interpreters
-    (``python -m tokenmill.child``), so this must finish. Prints every child's command line."""
+    (``python -m tokenmill.base.child``), so this must finish. Prints every child's command line."""
     from tokenizers import Tokenizer
     hf = Tokenizer.from_file(a["tokenizer"])
     with open(a["text"], encoding="utf-8") as f:

@@ -20,8 +20,8 @@ import time
 
 import xxhash
 
-from tokenmill import sources
-from tokenmill.errors import InputError
+from tokenmill.inputs import sources
+from tokenmill.base.errors import InputError
 
 
 def digest(docs) -> tuple[int, str]:

@@ -21,7 +21,7 @@ import numpy as np
 from faults.conftest import ScenarioFailed, watchdog
 from faults.resume_scenarios import (Leg, Scenario, World, phases_of, edit_is_legal,
                                      open_loader)
-from tokenmill.errors import ConfigError
+from tokenmill.base.errors import ConfigError
 
 
 class Reference:
@@ -298,7 +298,7 @@ def check_logged(run: Run, i: int, leg: Leg, mixture: tuple | None, logged: list
 def child_leg(a: dict, log, digest) -> None:
     """The child's side of ``run_child_leg``: ranks in lockstep, forever; after every step the
     digests of the ranks' batches go to ``log`` and the state to the checkpoint (atomically)."""
-    from tokenmill.io import atomic_write_json
+    from tokenmill.base.io import atomic_write_json
     scn, world = Scenario.from_json(a["scenario"]), World(**{
         **a["world"], "mixable": tuple(a["world"]["mixable"]),
         "seq_lens": tuple(a["world"]["seq_lens"])})

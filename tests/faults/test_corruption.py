@@ -17,7 +17,7 @@ from conftest import stdlib_texts, write_jsonl
 from faults.conftest import SIZE, record
 from faults.programs import digest
 from tokenmill import Loader
-from tokenmill.errors import StoreError
+from tokenmill.base.errors import StoreError
 from tokenmill.prepare import prepare
 from tokenmill.store import IDX_HEADER, read_manifest, verify_store
 

@@ -34,11 +34,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from faults.conftest import SIZE, SIZE_NAME, add, record
-from tokenmill import sources
-from tokenmill.errors import InputError, StoreError
-from tokenmill.jsonl import one_value
+from tokenmill.inputs import sources
+from tokenmill.base.errors import InputError, StoreError
+from tokenmill.inputs.jsonl import one_value
 from tokenmill.prepare import prepare
-from tokenmill.records import not_text
+from tokenmill.inputs.records import not_text
 from tokenmill.store import TokenStore, read_manifest, verify_store
 from tokenmill.tokenizer import encode_documents, load_tokenizer
 

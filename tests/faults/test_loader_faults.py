@@ -113,7 +113,7 @@ def test_tokenizer_used_before_worker_processes_start_never_deadlocks(tmp_path, 
                                                                       real_texts):
     """A Hugging Face tokenizer busy on its thread pool in the parent, then prepare's and the
     Loader's worker pools: forked children could inherit its locks held; every worker is a fresh
-    ``python -m tokenmill.child`` (no fork without exec, no multiprocessing child), so none can."""
+    ``python -m tokenmill.base.child`` (no fork without exec, no multiprocessing child), so none can."""
     (tmp_path / "t.txt").write_text(real_texts[0])
     (tmp_path / "in").mkdir()
     write_jsonl(tmp_path / "in" / "c.jsonl", real_texts[:60])
@@ -131,10 +131,10 @@ def test_tokenizer_used_before_worker_processes_start_never_deadlocks(tmp_path, 
         assert len(children) == 2, (stage, children)  # its two workers, and nothing else
         for cmd in children:
             # exec'd: a fork of this program would show the program's own command line
-            assert cmd != out["parent"] and cmd[1:3] == ["-m", "tokenmill.child"], (stage, cmd)
+            assert cmd != out["parent"] and cmd[1:3] == ["-m", "tokenmill.base.child"], (stage, cmd)
     assert "fork" not in done.stderr.lower(), done.stderr  # tokenizers warns after a fork
     record("tokenizer and fork", deadlocks=0, children=4, forked=0,
-           child_start="exec python -m tokenmill.child", seconds=round(time.monotonic() - t0, 1))
+           child_start="exec python -m tokenmill.base.child", seconds=round(time.monotonic() - t0, 1))
 
 
 def test_ctrl_c_during_iteration_exits_promptly_and_leaves_nothing_behind(tmp_path):

@@ -25,8 +25,8 @@ from conftest import stdlib_texts, write_jsonl
 from faults.conftest import (SIZE, assert_exits_promptly, assert_nothing_left, child_env,
                              descendants, files_under, press_ctrl_c, program, record, stale_shm,
                              stop_and_kill, survivors)
-from tokenmill import sources
-from tokenmill.errors import StoreError
+from tokenmill.inputs import sources
+from tokenmill.base.errors import StoreError
 from tokenmill.prepare import prepare
 from tokenmill.store import TokenStore, read_manifest, verify_store
 from tokenmill.tokenizer import encode_documents, load_tokenizer
@@ -275,7 +275,7 @@ def test_disk_full_during_prepare_is_a_clear_error_and_a_rerun_finishes(tmp_path
         assert full.returncode != 0, f"{what}: prepare succeeded with a full disk"
         last = full.stderr.strip().splitlines()[-1]
         # a clear error: tokenmill's own, saying the disk is full and how to finish
-        assert last.startswith("tokenmill.errors.DiskFullError") and "disk is full" in last \
+        assert last.startswith("tokenmill.base.errors.DiskFullError") and "disk is full" in last \
             and "again" in last, full.stderr
         assert not looks_complete(out), f"{what}: a store that looks complete"
         assert not [f for f in files_under(out) if ".tmp" in f], files_under(out)
@@ -300,7 +300,7 @@ def test_preprocessing_stalls_never_a_dead_worker_is_an_error_not_a_hang(tmp_pat
     try:
         deadline = time.monotonic() + 30
         while not (workers := [p for p in descendants(proc.pid)
-                               if "tokenmill.child" in " ".join(p.cmdline())]):
+                               if "tokenmill.base.child" in " ".join(p.cmdline())]):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         victim = workers[0].pid

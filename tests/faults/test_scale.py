@@ -24,7 +24,8 @@ import xxhash
 
 from faults.conftest import SIZE, record
 from faults.programs import digest
-from tokenmill import Loader, pack, sampler
+from tokenmill import Loader
+from tokenmill.load import pack, sampler
 from tokenmill.store import (IDX_HEADER, IDX_MAGIC, IDX_VERSION, CODE_OF_DTYPE, ShardInfo,
                              TokenStore, atomic_write_json, build_manifest, idx_bytes)
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill import pack
-from tokenmill.errors import ConfigError
-from tokenmill.plan import BatchPlan, LayoutConfig, SampleSource
+from tokenmill.load import pack
+from tokenmill.base.errors import ConfigError
+from tokenmill.load.plan import BatchPlan, LayoutConfig, SampleSource
 from tokenmill.store import TokenStore
 
 __all__ = ["TokenSource", "source"]

@@ -42,9 +42,9 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from tokenmill.errors import ConfigError
+from tokenmill.base.errors import ConfigError
 from tokenmill.integrations.torch import TokenDataset, hf_inputs
-from tokenmill.loader import STATE_VERSION, Loader
+from tokenmill.load.loader import STATE_VERSION, Loader
 
 __all__ = ["LoaderCallback", "Row", "TrainerDataset", "collate"]
 

@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tokenmill.errors import ConfigError
-from tokenmill.device import AheadOfLoader
-from tokenmill.loader import Loader
+from tokenmill.base.errors import ConfigError
+from tokenmill.load.device import AheadOfLoader
+from tokenmill.load.loader import Loader
 
 __all__ = ["JaxBatches", "document_mask", "sequence_ids", "to_jax"]
 
@@ -107,7 +107,7 @@ class JaxBatches(AheadOfLoader):
 def sequence_ids(batch) -> jax.Array:
     """(B, L) int32 document of each token, 1-based in its row; padding joins the one before.
 
-    The rule of ``tokenmill.attention.sequence_ids``, in jnp so it runs on the devices (jittable).
+    The rule of ``tokenmill.load.attention.sequence_ids``, in jnp so it runs on the devices (jittable).
     sequence_ids({"segment_ids": jnp.array([[1, 1, 2, 0]])}).tolist() == [[1, 1, 2, 2]]
     """
     seg = jnp.asarray(batch["segment_ids"] if isinstance(batch, Mapping) else batch)

@@ -27,7 +27,7 @@ Rank and world size come from ``torch.distributed`` when it is initialised (the 
 when it is built: build it after ``init_process_group``).
 
 Packed batches (``layout="packed"``) in each attention kernel's form, built by the numpy rules of
-``tokenmill.attention`` (padding joins the document before it in its row; its loss_mask is 0):
+``tokenmill.load.attention`` (padding joins the document before it in its row; its loss_mask is 0):
 ``document_mask(batch)`` → a FlexAttention causal document ``BlockMask``;
 ``dense_document_mask(batch)`` → (B, 1, L, L) bool for ``scaled_dot_product_attention``;
 ``varlen_args(batch, pad_to=)`` → FlashAttention varlen ``cu_seqlens`` (int32) and ``max_seqlen``;
@@ -53,11 +53,11 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from tokenmill import attention
-from tokenmill.errors import ConfigError
-from tokenmill.device import AheadOfLoader
-from tokenmill.loader import STATE_VERSION, Loader
-from tokenmill.resume import consumed_from
+from tokenmill.load import attention
+from tokenmill.base.errors import ConfigError
+from tokenmill.load.device import AheadOfLoader
+from tokenmill.load.loader import STATE_VERSION, Loader
+from tokenmill.load.resume import consumed_from
 from tokenmill.store.reader import TokenStore
 
 __all__ = ["TokenDataset", "TorchBatches", "dense_document_mask", "document_mask",
@@ -398,7 +398,7 @@ def document_mask(batch, *, block_size: int = 128):
 def varlen_args(batch, *, pad_to: int | None = None) -> tuple[torch.Tensor, int]:
     """(cu_seqlens int32 on the batch's device, max_seqlen) for FlashAttention varlen over the
     batch flattened to (B·L, heads, dim); ``pad_to`` slots keep the shape static (see
-    ``tokenmill.attention.varlen_slots``).
+    ``tokenmill.load.attention.varlen_slots``).
 
     varlen_args({"segment_ids": torch.tensor([[1, 1, 2, 0]])})[0].tolist() == [0, 2, 4]
     """

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from torchtitan.components.dataloader import BaseDataLoader
 
-from tokenmill import attention
-from tokenmill.errors import ConfigError
+from tokenmill.load import attention
+from tokenmill.base.errors import ConfigError
 from tokenmill.integrations.torch import IGNORE_INDEX
-from tokenmill.loader import Loader
+from tokenmill.load.loader import Loader
 
 __all__ = ["TokenmillDataLoader", "titan_batch"]
 

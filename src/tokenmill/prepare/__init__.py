@@ -13,7 +13,7 @@ import functools
 import os
 from typing import Any, Callable, Sequence
 
-from tokenmill.errors import ConfigError
+from tokenmill.base.errors import ConfigError
 from tokenmill.prepare.pool import UnitPool, ordered_results
 from tokenmill.prepare.split import (SIDES, check_accounts, check_fraction, check_plain_out,
                                      check_split_out, split_line, split_of, split_paths)
@@ -21,7 +21,7 @@ from tokenmill.prepare.run import (Progress, Run, file_sizes, prepare_local, rep
                                    start_run, summary_line, unit_weights)
 from tokenmill.prepare.tokenize import (DEFAULT_SHARD_TOKENS, PrepareConfig, UnitResult,
                                         input_name, tokenize_unit)
-from tokenmill.procs import resolve_workers
+from tokenmill.base.procs import resolve_workers
 from tokenmill.store.format import MANIFEST
 from tokenmill.store.writer import MAX_EXAMPLES, PROGRESS, SkipLog
 
@@ -49,7 +49,7 @@ def prepare(inputs: str | Sequence[str], *, out: str | os.PathLike, tokenizer: s
     cores), else one process per core (``prepare.run.auto_workers``). The manifest's
     ``tokenizer_engine`` says which engine ran (and why faster ones were refused); it is not part
     of the fingerprint. ``engine="ray"`` runs on Ray (``ray_address``: None, "auto" or
-    "HOST:PORT"), same bytes: see ``tokenmill.integrations.ray`` and docs/scale-out.md. Only one
+    "HOST:PORT"), same bytes: see ``tokenmill.prepare.ray`` and docs/scale-out.md. Only one
     prepare writes an output at a time: a second one fails at once with a
     ``ConcurrentWriterError`` naming the first's pid.
 
@@ -76,7 +76,7 @@ def prepare_one(inputs, *, out, tokenizer: str, workers, progress, overwrite, st
                 engine: str, ray_address: str | None, **options: Any) -> dict:
     """One store, on the engine asked for; the manifest."""
     if engine == "ray":  # imported only here: the core never imports ray
-        from tokenmill.integrations.ray import prepare_on_ray
+        from tokenmill.prepare.ray import prepare_on_ray
         return prepare_on_ray(inputs, out=out, tokenizer=tokenizer, workers=workers,
                               progress=progress, overwrite=overwrite,
                               storage_options=storage_options, address=ray_address, **options)

@@ -43,11 +43,11 @@ from __future__ import annotations
 import os
 from typing import Mapping, Sequence
 
-from tokenmill import sources
-from tokenmill.errors import ConfigError, TokenmillError
-from tokenmill.io import redact, xxh3_file
+from tokenmill.inputs import sources
+from tokenmill.base.errors import ConfigError, TokenmillError
+from tokenmill.base.io import redact, xxh3_file
 from tokenmill.prepare.tokenize import input_name, unit_digest
-from tokenmill.records import RemoteId, changed, id_change, input_id, local_path
+from tokenmill.inputs.records import RemoteId, changed, id_change, input_id, local_path
 from tokenmill.store.format import INPUT_IDS, SOURCES
 
 STAT_FIELDS = ("ino", "size", "mtime_ns", "ctime_ns")

@@ -1,6 +1,6 @@
 """The ordered pool: work units read and tokenized by worker processes, results in unit order.
 
-Each worker is a ``procs.Worker`` (``python -m tokenmill.child``: it never re-runs the user's
+Each worker is a ``procs.Worker`` (``python -m tokenmill.base.child``: it never re-runs the user's
 main module) running ``serve``: it loads the tokenizer once, then tokenizes each ``UnitTask`` it
 receives and answers ``UnitDone`` (or ``UnitFailed``). A unit goes to the least busy worker; at
 most ``2 × workers`` units are sent and not yet handed back, so memory stays bounded whatever the
@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_any
 from typing import Iterable, Iterator, Mapping, Sequence
 
-from tokenmill import sources
-from tokenmill.errors import WorkerError
+from tokenmill.inputs import sources
+from tokenmill.base.errors import WorkerError
 from tokenmill.prepare.tokenize import (PrepareConfig, UnitResult, encode_unit, read_unit_items,
                                         tokenize_unit, tokenizer_of)
-from tokenmill.procs import Failed, Worker, WorkerDied, stop_all
+from tokenmill.base.procs import Failed, Worker, WorkerDied, stop_all
 from tokenmill.tokenizer import Tokenizer
 
 UNITS_PER_WORKER = 2  # units sent and not yet handed back, per worker

@@ -5,7 +5,7 @@
     manifest = run_local(run, workers=2)
 
 ``start_run`` is shared by the local engine (``run_local``: the ordered pool feeding the
-writer) and the Ray engine (``tokenmill.integrations.ray``), so both write the same store and
+writer) and the Ray engine (``tokenmill.prepare.ray``), so both write the same store and
 either finishes the other's interrupted run. The output belongs to ``store.writer.StoreWriter``:
 its lock, its progress records, what it may delete.
 
@@ -32,17 +32,17 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import Any, Callable, Mapping, Sequence
 
-from tokenmill import readers, sources, tabular
-from tokenmill.errors import ConfigError
-from tokenmill.textfields import check_joinable, ignored_note
-from tokenmill.io import file_size, is_url, redact
+from tokenmill.inputs import readers, sources, tabular
+from tokenmill.base.errors import ConfigError
+from tokenmill.inputs.textfields import check_joinable, ignored_note
+from tokenmill.base.io import file_size, is_url, redact
 from tokenmill.prepare.identity import check_unchanged, finished_ids, input_ids
 from tokenmill.prepare.pool import ReadAhead, UnitPool, ordered_results
 from tokenmill.prepare.split import texts_record
 from tokenmill.prepare.tokenize import (PrepareConfig, UnitResult, engine_option, engine_record,
                                         input_name, unit_digest)
-from tokenmill.procs import resolve_workers, usable_cores
-from tokenmill.records import COMPRESSED, changed, io_errors
+from tokenmill.base.procs import resolve_workers, usable_cores
+from tokenmill.inputs.records import COMPRESSED, changed, io_errors
 from tokenmill.store.format import INPUT_IDS, SOURCE_KINDS, SOURCES, Origins
 from tokenmill.store.upload import RemoteOut
 from tokenmill.store.writer import StoreWriter, WriterConfig

@@ -31,9 +31,9 @@ from collections.abc import Sequence
 
 import xxhash
 
-from tokenmill.errors import ConfigError
-from tokenmill.io import is_url
-from tokenmill.records import Skip
+from tokenmill.base.errors import ConfigError
+from tokenmill.base.io import is_url
+from tokenmill.inputs.records import Skip
 from tokenmill.store.format import SIDES, split_paths  # the two stores' places: the store knows
 HELD_OUT = "held_out"
 SPLIT_TEXTS = "split_texts_xxh3"  # the manifest's per-input sums of document text hashes
@@ -137,7 +137,7 @@ def check_split_out(out: str | os.PathLike) -> None:
     """Refuse an ``out`` that already holds a plain store (or a plain prepare's progress)."""
     out = os.fspath(out)
     if is_url(out):
-        from tokenmill.io import read_bytes
+        from tokenmill.base.io import read_bytes
         plain = read_bytes(posixpath.join(out, "manifest.json")) is not None
     else:
         plain = any(os.path.exists(os.path.join(out, name)) for name in

@@ -24,14 +24,14 @@ from typing import Mapping, NamedTuple, Sequence
 import numpy as np
 import xxhash
 
-from tokenmill import sources
-from tokenmill.errors import check_int
-from tokenmill.io import CHUNK, filesystem, is_url, redact
+from tokenmill.inputs import sources
+from tokenmill.base.errors import check_int
+from tokenmill.base.io import CHUNK, filesystem, is_url, redact
 from tokenmill.prepare.split import check_holdout, keep_side, text_hashes, texts_sum
-from tokenmill.textfields import text_extensions, text_keys
+from tokenmill.inputs.textfields import text_extensions, text_keys
 from tokenmill.prepare.transform import (sample_records, transform_identity, transform_spec,
                                          transformed)
-from tokenmill.records import Doc, LineCount, local_path, unit_format
+from tokenmill.inputs.records import Doc, LineCount, local_path, unit_format
 from tokenmill.tokenizer import Tokenizer, encode_documents, load_tokenizer, token_dtype
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB uint16 shards
@@ -57,8 +57,8 @@ class PrepareConfig:
     unit_bytes: int = 4 << 20  # 4 MiB units: small enough that 2 workers end together
     transform: str | None = None  # "module:qualname" of fn(record) -> str | None
     holdout: tuple[str, float] | None = None  # ("val", 0.01): keep that side of a split
-    split: str | None = None  # the split of a folder holding several (tokenmill.splits)
-    text_ext: tuple[str, ...] = ()  # extensions read as text ("" = none; tokenmill.textfields)
+    split: str | None = None  # the split of a folder holding several (tokenmill.inputs.splits)
+    text_ext: tuple[str, ...] = ()  # extensions read as text ("" = none; tokenmill.inputs.textfields)
 
     def __post_init__(self):
         object.__setattr__(self, "text_key", text_keys(self.text_key))  # frozen: normalised here

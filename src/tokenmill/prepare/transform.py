@@ -5,7 +5,7 @@
     samples = sample_records(files, source_config)  # the first records of the first files
     transform_identity(spec, samples)  # "my_module:to_text (source xxh3 3ec6…, 32 sample …)"
 
-A transform runs in prepare's worker processes (``python -m tokenmill.child``, which never
+A transform runs in prepare's worker processes (``python -m tokenmill.base.child``, which never
 re-runs the user's script), so it is named by ``"module:qualname"`` and imported there: a
 function of the script that was run (``__main__``), a lambda or a nested function cannot be, and
 is refused with a ConfigError that says to move it into a module.
@@ -49,9 +49,9 @@ from typing import NamedTuple
 
 import xxhash
 
-from tokenmill import sources
-from tokenmill.errors import ConfigError, InputError
-from tokenmill.records import Doc, Record, Skip, SourceConfig, describe
+from tokenmill.inputs import sources
+from tokenmill.base.errors import ConfigError, InputError
+from tokenmill.inputs.records import Doc, Record, Skip, SourceConfig, describe
 
 Transform = Callable[[dict], "str | None"]
 # its behaviour: what it makes of the first 32 records of the first 4 files, each given 3 times

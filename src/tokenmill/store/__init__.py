@@ -4,8 +4,8 @@ The names other modules used from ``tokenmill.store`` and ``tokenmill.remote`` a
 here; code inside the package imports from the submodules, never from this facade.
 """
 
-from tokenmill.io import (atomic_write_bytes, atomic_write_json, is_url, json_bytes, list_sizes,
-                          no_space_is_a_store_error, parse_bytes, read_bytes, xxh3_file)
+from tokenmill.base.io import (atomic_write_bytes, atomic_write_json, is_url, json_bytes, list_sizes,
+                               no_space_is_a_store_error, parse_bytes, read_bytes, xxh3_file)
 from tokenmill.store.cache import (CACHE_BYTES_ENV, CACHE_ENV, DEFAULT_CACHE_BYTES, CacheEntry,
                                    CacheFullError, DownloadCancelled, Pin, RemoteShards,
                                    ShardCache, default_cache_dir, url_key)

@@ -52,9 +52,9 @@ from typing import Any, Mapping
 import numpy as np
 import xxhash
 
-from tokenmill.errors import StoreError
-from tokenmill.io import (BackgroundJobs, filesystem, lock_file, parse_bytes, redact,
-                          stop_background_jobs, unlock)
+from tokenmill.base.errors import StoreError
+from tokenmill.base.io import (BackgroundJobs, filesystem, lock_file, parse_bytes, redact,
+                               stop_background_jobs, unlock)
 
 CACHE_ENV = "TOKENMILL_CACHE_DIR"
 CACHE_BYTES_ENV = "TOKENMILL_CACHE_BYTES"

@@ -65,9 +65,9 @@ from typing import Any, Mapping, NamedTuple
 import numpy as np
 import xxhash
 
-from tokenmill.errors import StoreError
-from tokenmill.io import (StatCheck, is_url, json_bytes, list_sizes, map_file, read_bytes,
-                          redact)
+from tokenmill.base.errors import StoreError
+from tokenmill.base.io import (StatCheck, is_url, json_bytes, list_sizes, map_file, read_bytes,
+                               redact)
 
 FORMAT = "tokenmill-store"
 VERSION = 1

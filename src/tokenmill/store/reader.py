@@ -29,9 +29,9 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from tokenmill.arrays import by_value
-from tokenmill.errors import ConfigError, StoreError, check_int
-from tokenmill.io import ChecksumWatch, file_id, is_url, map_file, redact
+from tokenmill.base.arrays import by_value
+from tokenmill.base.errors import ConfigError, StoreError, check_int
+from tokenmill.base.io import ChecksumWatch, file_id, is_url, map_file, redact
 from tokenmill.store.cache import CacheFullError, RemoteShards
 from tokenmill.store.format import (
     MANIFEST,

@@ -25,9 +25,9 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from tokenmill import sources
-from tokenmill.io import no_space_is_a_store_error, redact
-from tokenmill.records import COUNTED_ONLY
+from tokenmill.inputs import sources
+from tokenmill.base.io import no_space_is_a_store_error, redact
+from tokenmill.inputs.records import COUNTED_ONLY
 from tokenmill.store.format import CODE_OF_DTYPE, Origins, idx_bytes, shard_name, src_bytes
 
 MAX_EXAMPLES = 20

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from tokenmill.errors import ConcurrentWriterError, StoreError
-from tokenmill.io import CHUNK, filesystem, json_bytes, list_sizes, read_bytes, redact
+from tokenmill.base.errors import ConcurrentWriterError, StoreError
+from tokenmill.base.io import CHUNK, filesystem, json_bytes, list_sizes, read_bytes, redact
 from tokenmill.store.cache import default_cache_dir, url_key
 from tokenmill.store.format import MANIFEST, SHARD_FILE
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenmill.arrays import first_outside
-from tokenmill.errors import StoreError
-from tokenmill.io import is_url, json_bytes, list_sizes, redact, xxh3_file
+from tokenmill.base.arrays import first_outside
+from tokenmill.base.errors import StoreError
+from tokenmill.base.io import is_url, json_bytes, list_sizes, redact, xxh3_file
 from tokenmill.store.cache import ShardCache
 from tokenmill.store.format import (MANIFEST, MANIFEST_CHECKSUM, SOURCES, parse_src, read_idx,
                                     read_manifest, store_fingerprint)

@@ -40,11 +40,11 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from tokenmill import sources
-from tokenmill.errors import (ConcurrentWriterError, ConfigError, InputError, StoreError,
-                              os_error_text)
-from tokenmill.io import (atomic_write_json, json_bytes, list_sizes, lock_file, redact,
-                          special_kind, unlock, xxh3_file)
+from tokenmill.inputs import sources
+from tokenmill.base.errors import (ConcurrentWriterError, ConfigError, InputError, StoreError,
+                                   os_error_text)
+from tokenmill.base.io import (atomic_write_json, json_bytes, list_sizes, lock_file, redact,
+                               special_kind, unlock, xxh3_file)
 from tokenmill.store.format import (MANIFEST, SHARD_EXTS, SHARD_FILE, Origins, build_manifest,
                                     parse_manifest, shard_files, shard_name)
 from tokenmill.store.shards import MAX_EXAMPLES, ShardInfo, ShardWriter, SkipLog

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from tokenmill import sources
-from tokenmill.errors import ConcurrentWriterError, DiskFullError
+from tokenmill.inputs import sources
+from tokenmill.base.errors import ConcurrentWriterError, DiskFullError
 from tokenmill.prepare.run import input_check, inputs_finished, inputs_record, origins_of
 from tokenmill.prepare.tokenize import engine_record
 from tokenmill.store.format import MANIFEST, Origins

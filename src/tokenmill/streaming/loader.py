@@ -25,11 +25,11 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from tokenmill import pack
-from tokenmill.errors import ConfigError, StaleIterator, check_int, is_int
-from tokenmill.lifetime import Iteration, OneIterator
-from tokenmill.plan import MAX_CONSUMED, LayoutConfig, resolve_rank
-from tokenmill.ranks import CheckedFirst, agree
+from tokenmill.load import pack
+from tokenmill.base.errors import ConfigError, StaleIterator, check_int, is_int
+from tokenmill.load.lifetime import Iteration, OneIterator
+from tokenmill.load.plan import MAX_CONSUMED, LayoutConfig, resolve_rank
+from tokenmill.load.ranks import CheckedFirst, agree
 from tokenmill.prepare.pool import UNITS_PER_WORKER
 from tokenmill.prepare.tokenize import PrepareConfig
 from tokenmill.store.format import read_manifest

@@ -33,12 +33,12 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from tokenmill import sampler
-from tokenmill.errors import ConfigError, StaleIterator, check_int, is_int
-from tokenmill.mixture import Mixture, described_phases, mixture_of
-from tokenmill.plan import MAX_CONSUMED, resolve_rank
-from tokenmill.lifetime import Iteration, OneIterator
-from tokenmill.ranks import CheckedFirst, agree
+from tokenmill.load import sampler
+from tokenmill.base.errors import ConfigError, StaleIterator, check_int, is_int
+from tokenmill.load.mixture import Mixture, described_phases, mixture_of
+from tokenmill.load.plan import MAX_CONSUMED, resolve_rank
+from tokenmill.load.lifetime import Iteration, OneIterator
+from tokenmill.load.ranks import CheckedFirst, agree
 from tokenmill.streaming.loader import StreamLoader, open_stream, what_differs
 from tokenmill.streaming.plan import STATE_VERSION, digest, resolve_stream_workers
 from tokenmill.streaming.producer import READY_BATCHES

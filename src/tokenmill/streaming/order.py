@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tokenmill.sampler import hash_ints
+from tokenmill.load.sampler import hash_ints
 
 DELAY_TAG = 0x64656C79  # "dely": separates shuffle-buffer delays from other uses of hash_ints
 

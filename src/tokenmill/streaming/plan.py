@@ -27,15 +27,16 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 import xxhash
 
-from tokenmill import pack, sources
-from tokenmill.errors import ConfigError, check_int
-from tokenmill.io import filesystem, is_url, xxh3_file
+from tokenmill.load import pack
+from tokenmill.inputs import sources
+from tokenmill.base.errors import ConfigError, check_int
+from tokenmill.base.io import filesystem, is_url, xxh3_file
 from tokenmill.prepare.identity import changed_inputs, listed
 from tokenmill.prepare.run import file_sizes
 from tokenmill.prepare.tokenize import PrepareConfig, input_name, tokenizer_of
-from tokenmill.procs import resolve_workers, usable_cores
-from tokenmill.records import local_path
-from tokenmill.sampler import MAX_SEED
+from tokenmill.base.procs import resolve_workers, usable_cores
+from tokenmill.inputs.records import local_path
+from tokenmill.load.sampler import MAX_SEED
 from tokenmill.store.format import MANIFEST
 from tokenmill.tokenizer import Tokenizer, token_dtype
 

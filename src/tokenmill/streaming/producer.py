@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tokenmill.errors import ConfigError, StoreError
-from tokenmill.plan import BatchPlan, LayoutConfig, batch_at
+from tokenmill.base.errors import ConfigError, StoreError
+from tokenmill.load.plan import BatchPlan, LayoutConfig, batch_at
 from tokenmill.streaming.cache import CacheWriter, claim_writer, store_complete, wait_store
 from tokenmill.streaming.order import (emission_order, emission_time, emitted_before, look_ahead,
                                        oldest_buffered)

@@ -32,11 +32,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tokenmill import pack
-from tokenmill.arrays import exclusive_cumsum, ranges
-from tokenmill.errors import ConfigError
-from tokenmill.plan import batch_arrays
-from tokenmill.sampler import epoch_permutation
+from tokenmill.load import pack
+from tokenmill.base.arrays import exclusive_cumsum, ranges
+from tokenmill.base.errors import ConfigError
+from tokenmill.load.plan import batch_arrays
+from tokenmill.load.sampler import epoch_permutation
 from tokenmill.store.reader import TokenStore
 from tokenmill.streaming.plan import Cursor, StreamPlan
 from tokenmill.streaming.windows import TextWindows

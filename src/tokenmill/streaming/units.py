@@ -1,6 +1,6 @@
 """The pass's work units, tokenized ahead by prepare's worker pool, handed back in unit order.
 
-The workers are ``prepare.pool.UnitPool``'s (``procs.Worker``: ``python -m tokenmill.child``, so
+The workers are ``prepare.pool.UnitPool``'s (``procs.Worker``: ``python -m tokenmill.base.child``, so
 they never re-run the user's main module); ``UnitResults`` drives that pool by hand, keeping
 ``UNITS_PER_WORKER`` units per worker in flight past the one waited for, and returns results
 strictly in unit order — the token stream is the one ``prepare`` writes, for any worker count.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tokenmill import sources
+from tokenmill.inputs import sources
 from tokenmill.prepare.pool import UNITS_PER_WORKER, Advice, UnitPool
 from tokenmill.prepare.tokenize import UnitResult, tokenize_unit
 from tokenmill.streaming.plan import StreamPlan

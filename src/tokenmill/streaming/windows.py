@@ -26,8 +26,8 @@ from typing import Protocol
 
 import numpy as np
 
-from tokenmill import pack
-from tokenmill.errors import ConfigError
+from tokenmill.load import pack
+from tokenmill.base.errors import ConfigError
 from tokenmill.store.reader import TokenStore
 from tokenmill.streaming.cache import CacheWriter
 from tokenmill.streaming.plan import Cursor, StreamPlan

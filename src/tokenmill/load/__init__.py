@@ -1,0 +1,8 @@
+"""Store → batches: the sampler, the layouts (``pack``, ``packplan``, ``packfit``, ``segments``,
+``attention``), the pure ``plan`` and its ``rows``, balanced rows across ranks (``balance``,
+``balanced``, ``cpsplit``, ``seqlens``), the ``Loader`` and its workers, resume state,
+provenance, device prefetch.
+
+Nothing is imported here: ``streaming`` stands on load's modules, and ``load.loader`` (whose
+``Loader.from_text`` opens a stream) stands on ``streaming``.
+"""

@@ -1,0 +1,58 @@
+"""The Loader's less common settings (``LoaderOptions``), checked when a Loader is built."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from tokenmill.base.errors import ConfigError, check_int
+
+__all__ = ["LoaderOptions", "WORKER_TYPES"]
+
+WORKER_TYPES = ("thread", "process")
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """The Loader's less common settings, passed to it as keywords (``Loader(..., epochs=2)``)."""
+
+    prefetch: int | str = "auto"  # batches computed ahead; "auto" deepens while data wait > 1%
+    epochs: int | None = None  # stop after this many epochs (None: run forever)
+    dtype: str = "int32"  # of inputs/targets: "int32" or "int64"
+    worker_type: str = "thread"  # "thread" or "process"
+    cache_dir: str | os.PathLike | None = None  # unused since packed rows are planned lazily
+    max_segments: int | None = None  # packed: at most this many documents a row (kernel limits)
+    document_masks: bool = False  # concat: segment_ids, positions, loss_mask by document
+    # named stores: [(first global sample, {name: weight}), …] phases (docs/mixing.md)
+    mixture: Sequence | None = None
+    balance: Any = None  # "attention" or a balance.CostModel: ranks' rows dealt by cost
+
+    def __post_init__(self):  # frozen: the ints are made plain ints once, here
+        if self.prefetch != "auto":
+            object.__setattr__(self, "prefetch", check_int("prefetch", self.prefetch, minimum=1,
+                                                           or_else="'auto'"))
+        object.__setattr__(self, "epochs", check_int("epochs", self.epochs, minimum=1,
+                                                     optional=True))
+        if np.dtype(self.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
+            raise ConfigError(f"dtype must be 'int32' or 'int64' (got dtype={self.dtype!r})")
+        if self.cache_dir is not None:
+            warnings.warn("Loader(cache_dir=…) is no longer used: the packed layout is planned "
+                          "lazily and writes nothing; drop the argument", DeprecationWarning,
+                          stacklevel=4)
+        if self.worker_type not in WORKER_TYPES:
+            raise ConfigError(f"worker_type must be 'thread' or 'process' "
+                              f"(got {self.worker_type!r})")
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any]) -> LoaderOptions:
+        """The options from a Loader's extra keywords; TypeError naming an unknown one."""
+        known = {f.name for f in fields(cls)}
+        for name in options:
+            if name not in known:
+                raise TypeError(f"Loader() got an unexpected keyword argument {name!r} "
+                                f"(its options are {sorted(known)})")
+        return cls(**options)

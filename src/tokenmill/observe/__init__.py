@@ -1,0 +1,2 @@
+"""Seeing the data path: ``metrics`` (``Meter``), ``watch`` (``Watch``), ``inspection`` (what
+``tokenmill inspect`` shows), ``bench`` (loaders side by side)."""
