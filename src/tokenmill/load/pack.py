@@ -26,6 +26,7 @@ import numpy as np
 
 from tokenmill.base.arrays import exclusive_cumsum, ranges
 from tokenmill.base.errors import ConfigError
+from tokenmill.load import fastpath
 from tokenmill.load.sampler import hash_ints
 from tokenmill.load.segments import fill_metadata
 
@@ -396,6 +397,9 @@ def fill_packed_rows(layout: PackedLayout, row_ids: np.ndarray, tokens: Tokens,
     dest = slice(0, len(row_ids)) if rows is None else np.asarray(rows, dtype=np.int64).ravel()
     if not isinstance(dest, slice) and np.array_equal(dest, np.arange(len(row_ids))):
         dest = slice(0, len(row_ids))  # a slice assigns faster than an index array
+    if gather is None and isinstance(tokens, np.ndarray) and fastpath.packed_rows(
+            layout, row_ids, dest, out, np.array([0, len(tokens)]), lambda _: tokens):
+        return
     b, capacity = len(row_ids), layout.capacity
     first = layout.row_ptr[row_ids]
     n_segs = layout.row_ptr[row_ids + 1] - first

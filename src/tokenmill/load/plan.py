@@ -35,7 +35,7 @@ from tokenmill.base.errors import ConfigError, StoreError, check_int, is_int
 from tokenmill.base.io import FileId, file_id, redact
 from tokenmill.load.mixture import Mixture, mixture_of
 from tokenmill.load.packplan import PackedPlan, packing_name
-from tokenmill.load.rows import RowFiller, as_slice, one_piece_starts
+from tokenmill.load.rows import RowFiller, as_rows, as_slice, one_piece_starts
 from tokenmill.store.format import MANIFEST, read_manifest
 from tokenmill.store.reader import TokenStore
 
@@ -190,12 +190,17 @@ class SampleSource:
                 pack.fill_window_metadata(self.store, starts, self.config.seq_len, out, dest,
                                           self.config.max_segments)
             return
-        rows = np.arange(dest.start, dest.stop) if isinstance(dest, slice) else dest
         groups = self.packed.locate(addrs)
+        if len(groups) == 1:  # the usual case: one window
+            window, _, local = groups[0]
+            if not self.rows.packed(window.layout, local, starts, dest, out):  # many segments
+                pack.fill_packed_rows(window.layout, local, self.store.tokens, out,
+                                      as_rows(dest), gather=self.rows.gather)
+            return
+        rows = as_rows(dest)
         for window, which, local in groups:
-            mine = dest if len(groups) == 1 else as_slice(rows[which])
-            part = starts if len(groups) == 1 else [starts[i] for i in which.tolist()]
-            if not self.rows.packed(window.layout, local, part, mine, out):  # many segments
+            part = [starts[i] for i in which.tolist()]
+            if not self.rows.packed(window.layout, local, part, as_slice(rows[which]), out):
                 pack.fill_packed_rows(window.layout, local, self.store.tokens, out,
                                       rows[which], gather=self.rows.gather)
 

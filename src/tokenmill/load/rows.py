@@ -25,8 +25,10 @@ from typing import Protocol
 import numpy as np
 
 from tokenmill.base.arrays import distinct, ranges
+from tokenmill.load import fastpath
 
-__all__ = ["RowFiller", "SLICE_SEGMENTS", "Shards", "as_slice", "one_piece_starts", "row_at"]
+__all__ = ["RowFiller", "SLICE_SEGMENTS", "Shards", "as_rows", "as_slice", "one_piece_starts",
+           "row_at"]
 
 SLICE_SEGMENTS = 32  # up to this many ranges a batch, slice copies beat building index arrays
 SLOW_COPY_S = 500e-6  # a batch's copies this slow read pages from disk (warm: ~10 µs)
@@ -132,7 +134,10 @@ class RowFiller:
         by slice copies, if the rows that are not one piece of one document (``starts[i]`` -1:
         ``one_piece_starts``) hold at most SLICE_SEGMENTS segments (else False: nothing
         written); the same bytes as ``pack.fill_packed_rows``: padding 0, segment ids from 1,
-        positions from 0 in each segment, loss_mask 0 on a segment's last token and on padding."""
+        positions from 0 in each segment, loss_mask 0 on a segment's last token and on padding.
+        The compiled filler (``fastpath``), when built, takes any number of segments."""
+        if fastpath.packed_rows(layout, addrs, dest, out, self.bounds, self.store.shard):
+            return True
         odd = [i for i, s in enumerate(starts) if s < 0]  # usually none, or one
         ptr = layout.row_ptr
         segs = [(i, int(ptr[a]), int(ptr[a + 1])) for i, a in ((i, int(addrs[i])) for i in odd)]
@@ -205,6 +210,14 @@ def as_slice(rows: np.ndarray) -> slice | np.ndarray:
     if last - first == len(rows) - 1:
         return slice(first, last + 1)
     return rows
+
+
+def as_rows(dest: slice | np.ndarray) -> np.ndarray:
+    """Batch rows ``dest`` (a slice or an index array) as an index array.
+
+    as_rows(slice(2, 5)).tolist() == [2, 3, 4]
+    """
+    return np.arange(dest.start, dest.stop) if isinstance(dest, slice) else dest
 
 
 def row_at(dest: slice | np.ndarray, i: int) -> int:

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from tokenmill.load import fastpath
+
 __all__ = ["fill_metadata"]
 
 
@@ -23,6 +25,9 @@ def fill_metadata(out: Mapping[str, np.ndarray], dest, shape: tuple[int, int],
     (``later``: not the first of its row), from cumulative sums of markers: no per-token index."""
     b, capacity = shape
     if b == 0:
+        return
+    row_ptr = np.searchsorted(at // capacity, np.arange(b + 1))  # rows' segments, back to back
+    if fastpath.metadata_rows(row_ptr, seg_len, dest, out):
         return
     ends = at + seg_len  # flat end of each segment; a row's last end is where padding starts
     last = np.flatnonzero(np.append(~later[1:], True))  # each row's last segment

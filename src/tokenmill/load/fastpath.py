@@ -1,0 +1,99 @@
+"""The compiled row filler (``fastfill``, built at install) behind a check of what it is given.
+
+Packed rows and document masks are written by ``fastfill`` in one pass when it is built and the
+arrays fit it (C-contiguous rows of the batch dtypes, a store dtype it reads); otherwise the
+callers take the numpy path, which writes the same bytes. ``TOKENMILL_FASTFILL=0`` turns it off
+(to compare, or to rule it out)::
+
+    if not fastpath.packed_rows(layout, ids, dest, out, bounds, shard):
+        ...  # the numpy path
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+try:  # built from fastfill.pyx by the install (optional: no C compiler, no module)
+    from tokenmill.load import fastfill
+except ImportError:  # pragma: no cover - depends on the install
+    fastfill = None
+
+__all__ = ["enabled", "metadata_rows", "packed_rows", "status"]
+
+META = ("segment_ids", "positions", "loss_mask")
+ONE_SHARD = np.zeros(1, np.int64)  # the mapped shards of a one-shard store: shard 0
+# read once: a switch to compare the two paths, or to rule the compiled one out
+ENABLED = fastfill is not None and os.environ.get("TOKENMILL_FASTFILL", "1") != "0"
+
+
+def enabled() -> bool:
+    """True when the compiled filler is built and not turned off (``TOKENMILL_FASTFILL=0``)."""
+    return ENABLED
+
+
+def status() -> str:
+    """One line for diagnostics: which row filler this install uses, and why."""
+    if fastfill is None:
+        return "numpy (the compiled row filler was not built: no C compiler at install?)"
+    if not ENABLED:
+        return "numpy (TOKENMILL_FASTFILL=0)"
+    return "compiled (tokenmill.load.fastfill)"
+
+
+def packed_rows(layout, ids: np.ndarray, dest: slice | np.ndarray, out: Mapping[str, np.ndarray],
+                bounds: np.ndarray, shard: Callable[[int], np.ndarray]) -> bool:
+    """Packed rows ``ids`` of ``layout`` into batch rows ``dest`` of ``out``, reading shard k's
+    tokens (global tokens from ``bounds[k]``) as ``shard(k)``; False (nothing trusted written)
+    when the compiled filler is off or cannot take these arrays."""
+    if not ENABLED:
+        return False
+    meta = _meta(out)
+    if meta is None:
+        return False
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if len(bounds) == 2:  # one shard: the usual single-file or streamed store
+        mapped = ONE_SHARD
+    else:
+        try:
+            mapped = fastfill.shards_of(layout.row_ptr, layout.seg_start, ids, bounds)
+        except IndexError:
+            return False  # a row id out of range: the caller's checks name it
+        mapped = np.array(mapped, np.int64)
+    arrays = [shard(k) for k in mapped.tolist()]  # held through the call: the pointers stay valid
+    try:
+        return fastfill.fill_packed(layout.row_ptr, layout.seg_start, layout.seg_len, ids,
+                                    _rows(dest), bounds, mapped, arrays,
+                                    out["inputs"], out["targets"], *meta)
+    except (ValueError, TypeError, BufferError):  # dtypes or strides it does not take
+        return False
+
+
+def metadata_rows(row_ptr: np.ndarray, seg_len: np.ndarray, dest: slice | np.ndarray,
+                  out: Mapping[str, np.ndarray]) -> bool:
+    """Segment ids, positions and loss mask of batch rows ``dest`` (row i holds the segments
+    ``seg_len[row_ptr[i]:row_ptr[i + 1]]`` back to back); False when the filler cannot."""
+    meta = _meta(out) if ENABLED else None
+    if not meta:
+        return False
+    try:
+        return fastfill.fill_metadata_rows(
+            np.ascontiguousarray(row_ptr, dtype=np.int64),
+            np.ascontiguousarray(seg_len, dtype=np.int64),
+            np.arange(len(row_ptr) - 1, dtype=np.int64), _rows(dest), *meta)
+    except (ValueError, TypeError, BufferError):
+        return False
+
+
+def _meta(out: Mapping[str, np.ndarray]) -> list | None:
+    """The metadata arrays asked for: all three, none ([]), or None (some: the numpy path's)."""
+    asked = [out[k] for k in META if k in out]
+    return asked if len(asked) in (0, 3) else None
+
+
+def _rows(dest: slice | np.ndarray) -> np.ndarray:
+    if isinstance(dest, slice):
+        return np.arange(dest.start or 0, dest.stop, dtype=np.int64)
+    return np.ascontiguousarray(dest, dtype=np.int64).ravel()

@@ -1,0 +1,154 @@
+"""The compiled row filler writes the numpy path's bytes: packed rows, document masks, any shard."""
+
+import numpy as np
+import pytest
+
+from conftest import write_token_store
+from tokenmill import Loader
+from tokenmill.load import fastpath
+from tokenmill.load.pack import fill_packed_rows, fill_window_metadata, pack_documents
+from tokenmill.load.plan import batch_arrays
+from tokenmill.store import TokenStore
+
+
+def test_the_compiled_filler_is_built_by_the_install():
+    # pyproject's ext-modules builds it (optional: without a C compiler the numpy path is used);
+    # the suite runs on an install that has one, so every test below compares the two paths
+    assert fastpath.fastfill is not None, fastpath.status()
+    assert fastpath.status().startswith("compiled")
+
+
+def both(fill, *, batch: int, seq_len: int, dtype=np.int64, masks: bool = True):
+    """``fill(out)`` once through the compiled filler and once through numpy, on buffers
+    pre-filled with different garbage: every byte either path leaves is compared."""
+    got = {}
+    for name, on in (("compiled", True), ("numpy", False)):
+        out = batch_arrays(batch, seq_len, dtype, masks)
+        for a in out.values():
+            a.fill(3 if name == "compiled" else 5)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fastpath, "ENABLED", on)
+            fill(out)
+        got[name] = out
+    return got["compiled"], got["numpy"]
+
+
+def assert_same(a: dict, b: dict, rows=slice(None)) -> None:
+    """Equal arrays in the batch rows ``rows`` (the others hold each path's garbage)."""
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and np.array_equal(a[k][rows], b[k][rows]), k
+
+
+def lengths(rng, n: int, seq_len: int) -> np.ndarray:
+    cap = seq_len + 1
+    edge = [1, 2, cap - 1, cap, cap + 1, 2 * seq_len + 1, 3 * seq_len + 2]
+    return np.concatenate([rng.integers(1, 2 * cap, n), rng.integers(1, 6, n), edge])
+
+
+@pytest.mark.parametrize("seq_len,max_segments", [(1, None), (2, None), (7, 2), (64, None),
+                                                  (64, 3), (257, None)])
+@pytest.mark.parametrize("out_dtype", [np.int32, np.int64])
+def test_packed_rows_equal_the_numpy_path(seq_len, max_segments, out_dtype):
+    rng = np.random.default_rng(seq_len)
+    lens = lengths(rng, 300, seq_len)
+    tokens = rng.integers(0, 1 << 30, int(lens.sum())).astype(np.int32)
+    layout = pack_documents(lens, seq_len, max_segments=max_segments)
+    for trial in range(20):
+        ids = rng.integers(0, layout.num_rows, 9)  # repeats allowed: a row twice in a batch
+        rows = rng.permutation(12)[:9] if trial % 2 else None  # scattered destination rows
+        a, b = both(lambda out: fill_packed_rows(layout, ids, tokens, out, rows),
+                    batch=12 if trial % 2 else 9, seq_len=seq_len, dtype=out_dtype)
+        assert_same(a, b, slice(None) if rows is None else rows)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32", "uint32", "int64"])
+def test_every_store_dtype_it_reads(dtype):
+    rng = np.random.default_rng(1)
+    lens = lengths(rng, 200, 32)
+    high = {"uint8": 255, "uint16": 65535}.get(dtype, 1 << 31)
+    tokens = rng.integers(0, high, int(lens.sum())).astype(dtype)
+    layout = pack_documents(lens, 32)
+    ids = np.arange(layout.num_rows)
+    a, b = both(lambda out: fill_packed_rows(layout, ids, tokens, out), batch=len(ids),
+                seq_len=32)
+    assert_same(a, b)
+
+
+def test_a_row_of_many_tiny_documents_and_tokens_only():
+    lens = np.ones(4000, np.int64)  # 1-token documents: 2049 segments a row
+    tokens = np.arange(4000, dtype=np.int32)
+    layout = pack_documents(lens, 2048)
+    a, b = both(lambda out: fill_packed_rows(layout, np.arange(layout.num_rows), tokens, out),
+                batch=layout.num_rows, seq_len=2048)
+    assert_same(a, b)
+    a, b = both(lambda out: fill_packed_rows(layout, np.arange(layout.num_rows), tokens, out),
+                batch=layout.num_rows, seq_len=2048, masks=False)
+    assert_same(a, b)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    rng = np.random.default_rng(7)
+    lens = np.concatenate([rng.integers(1, 40, 3000), rng.integers(100, 700, 300)])
+    rng.shuffle(lens)
+    path = write_token_store(tmp_path_factory.mktemp("s") / "store",
+                             rng.integers(0, 50_000, int(lens.sum())), lens, shard_tokens=9_000)
+    return path
+
+
+def test_the_store_loader_reads_many_shards_the_same_way(sharded):
+    assert len(TokenStore(sharded).shard_token_starts) > 10  # batches cross many shards
+    batches = {}
+    for env in ("1", "0"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fastpath, "ENABLED", env == "1")
+            ld = Loader(sharded, seq_len=128, batch_size=6, layout="packed", num_workers=0)
+            batches[env] = [{k: v.copy() for k, v in b.items()} for b, _ in zip(ld, range(60))]
+            ld.close()
+    for a, b in zip(batches["1"], batches["0"]):
+        assert_same(a, b)
+
+
+def test_concat_document_masks_the_same_way(sharded):
+    store = TokenStore(sharded)
+    rng = np.random.default_rng(3)
+    starts = rng.integers(0, store.num_tokens - 130, 8)
+    a, b = both(lambda o: fill_window_metadata(store, starts, 128, o, slice(0, 8)), batch=8,
+                seq_len=128)
+    for k in ("segment_ids", "positions", "loss_mask"):
+        assert np.array_equal(a[k], b[k]), k
+
+
+def test_what_it_cannot_take_goes_the_numpy_way():
+    layout = pack_documents(np.array([3, 5, 2, 9]), 4)
+    tokens = np.arange(19, dtype=np.int32)
+    out = batch_arrays(2, 4, np.int64, True)
+    strided = {k: np.empty((2, 8), v.dtype)[:, ::2] for k, v in out.items()}  # not contiguous
+    assert not fastpath.packed_rows(layout, np.array([0, 1]), slice(0, 2), strided,
+                                    np.array([0, 19]), lambda _: tokens)
+    bad_ids = np.array([0, layout.num_rows])  # a row past the end: never read unchecked
+    assert not fastpath.packed_rows(layout, bad_ids, slice(0, 2), out, np.array([0, 19]),
+                                    lambda _: tokens)
+    assert not fastpath.packed_rows(layout, np.array([0, 1]), np.array([0, 2]), out,
+                                    np.array([0, 19]), lambda _: tokens)  # row 2 of a batch of 2
+    n = layout.num_rows  # the shard ends (token 10) before the last document does: refused
+    assert not fastpath.packed_rows(layout, np.arange(n), slice(0, n), batch_arrays(
+        n, 4, np.int64, True), np.array([0, 10]), lambda _: tokens[:10])
+    fill_packed_rows(layout, np.array([0, 1]), tokens, strided)  # and numpy fills those
+    want = batch_arrays(2, 4, np.int64, True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fastpath, "ENABLED", False)
+        fill_packed_rows(layout, np.array([0, 1]), tokens, want)
+    assert_same({k: np.ascontiguousarray(v) for k, v in strided.items()}, want)
+
+
+def test_the_switch_turns_it_off_in_a_new_process():
+    import os
+    import subprocess
+    import sys
+    code = "from tokenmill.load import fastpath; print(fastpath.status())"
+    for value, want in (("0", "numpy (TOKENMILL_FASTFILL=0)"), ("1", "compiled")):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "TOKENMILL_FASTFILL": value}, check=True)
+        assert r.stdout.startswith(want), r.stdout
