@@ -80,6 +80,12 @@ def test_plan_prints_the_buffer_memory():
     assert r.returncode == 0 and "batch ring           0.50 MiB" in r.stdout
 
 
+def test_plan_says_which_row_filler_packs(store):
+    r = run("plan", "--seq-len", "64", "--batch-size", "2", "--layout", "packed", "--store",
+            str(store))
+    assert r.returncode == 0 and "row filler     compiled" in r.stdout, r.stdout + r.stderr
+
+
 def test_bench_unknown_name_is_a_clear_error(store):
     r = run("bench", str(store), "--only", "nosuchloader")
     assert r.returncode == 2 and "nosuchloader" in r.stderr and "naive" in r.stderr

@@ -399,7 +399,9 @@ def run_plan(args) -> int:
     print(f"batch ring     {plan['batch_ring'] / 2**20:10.2f} MiB  "
           f"({args.prefetch} prefetched + 2 held batches of {args.batch_size}×{args.seq_len})")
     if args.layout == "packed":
+        from tokenmill.load.fastpath import status
         print(f"packed windows {plan['packed_layout'] / 2**20:10.2f} MiB  (at most, {docs:,} documents)")
+        print(f"row filler     {status()}")
     print(f"total          {plan['total'] / 2**20:10.2f} MiB  (prefetch=\"auto\" grows within "
           f"{PREFETCH_MEMORY_BUDGET / 2**30:.0f} GiB)")
     return 0

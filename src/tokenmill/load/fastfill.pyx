@@ -17,9 +17,6 @@ from libc.stdint cimport uint8_t, uint16_t, int32_t, uint32_t, int64_t, uint64_t
 from libc.stdlib cimport free, malloc, qsort
 from libc.string cimport memset
 
-cdef extern from *:
-    void prefetch "__builtin_prefetch"(const void* address) noexcept nogil
-
 __all__ = ["fill_metadata_rows", "fill_packed", "shards_of"]
 
 # the store dtypes it reads, by buffer format character ('l' and 'q' are both int64 here)
@@ -71,20 +68,6 @@ cdef int rows_of(const tok_t* kind, const int64_t[::1] row_ptr, const int64_t[::
     cdef Py_ssize_t i, j, r, at, n, L = inputs.shape[1], k, m
     cdef int64_t s
     cdef const tok_t* src
-    # first ask for every segment's first and last cache lines: a batch of short documents reads
-    # hundreds of places, and their misses then overlap instead of coming one after another
-    for i in range(ids.shape[0]):
-        for j in range(row_ptr[ids[i]], row_ptr[ids[i] + 1]):
-            s = seg_start[j]
-            k = upper(bounds, s) - 1
-            if k < 0 or k >= bounds.shape[0] - 1 or s + seg_len[j] > bounds[k + 1]:
-                return 1
-            m = upper(mapped, k) - 1
-            if m < 0 or mapped[m] != k:
-                return 1
-            src = (<const tok_t*><uintptr_t>ptrs[m]) + (s - bounds[k])
-            prefetch(src)
-            prefetch(src + seg_len[j] - 1)
     for i in range(ids.shape[0]):
         r = dest[i]
         at = 0
