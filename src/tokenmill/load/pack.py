@@ -213,7 +213,8 @@ def _best_fit(lengths: np.ndarray, capacity: int, first_row: int) -> np.ndarray:
         return np.empty(0, dtype=np.int64)
     cuts = (np.flatnonzero(lengths[1:] != lengths[:-1]) + 1).tolist()
     sizes, rows = lengths.tolist(), [0] * n
-    buckets: list[list[int]] = [[] for _ in range(capacity + 1)]  # room → heap of row ids
+    buckets: dict[int, list[int]] = {}  # room → heap of row ids (not a list per room: a
+    # window of a few rows would pay capacity + 1 lists for a handful of rooms)
     mask = 0  # bit r set ⇔ some open row has exactly r tokens of room
     next_row = first_row
     heappop, heappush = heapq.heappop, heapq.heappush
@@ -241,7 +242,9 @@ def _best_fit(lengths: np.ndarray, capacity: int, first_row: int) -> np.ndarray:
                 i += k
                 room -= k * length
             if room:
-                bucket = buckets[room]
+                bucket = buckets.get(room)
+                if bucket is None:
+                    bucket = buckets[room] = []
                 if not bucket:
                     mask |= 1 << room
                 heappush(bucket, row)

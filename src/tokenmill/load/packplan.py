@@ -432,7 +432,8 @@ class PackedPlan:
                 out.append((rows, mine, rows.order[j[mine] - rows.first_row]))
                 first = e * self.num_rows + rows.first_row
                 self._last = (first, first + len(rows.order), rows)
-                self._ahead(e, w)
+        if out:  # the window after the last one read (one thread, not one per window read)
+            self._ahead(e, w)
         return out
 
     def stats(self) -> dict:

@@ -372,6 +372,8 @@ class BatchPlan:
         self.seq_len = self.config.seq_len
         self.fingerprint = fingerprint_of(sources, mix, self.config)
         self.samples_per_epoch = sum(s.num_samples for s in sources)
+        if self.packed:  # a block spans a few epochs at most: each epoch's windows are packed
+            self.BLOCK = max(64, min(self.BLOCK, self.samples_per_epoch))
         self.identities = [identity_of(s.store) for s in sources]
         self._closes = list(closes)  # the stores this plan opened itself
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray, list[int] | None]] = {}
