@@ -171,3 +171,17 @@ def test_a_tight_cap_on_two_kinds_of_documents_packs_the_windows_the_first_ones_
             assert np.diff(rows.layout.row_ptr).max() == 1
             assert sorted(set(rows.layout.seg_doc.tolist())) == \
                 sorted(plan.window_docs(epoch, w).tolist())
+
+
+def test_a_store_of_a_few_rows_an_epoch_packs_a_few_epochs_for_its_first_batch(tmp_path):
+    # 13 rows an epoch: the plan's first block of positions once spanned 4,096 positions = 315
+    # epochs, each packed (2.2 s to a first batch); a block now spans a few epochs at most
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(10, 600, 80)
+    path = write_positional_store(tmp_path / "s", lengths)
+    with Loader(path, seq_len=2048, batch_size=8, layout="packed", num_workers=0) as ld:
+        assert ld.plan.samples_per_epoch == 13
+        batch = next(iter(ld))
+        packed = ld.plan.sources[0].packed.stats()["windows_packed"]
+    assert packed <= 8, packed
+    assert batch["inputs"].shape == (8, 2048)
