@@ -78,8 +78,7 @@ def ordinary_failure(command: str, error: BaseException) -> int | None:
 
 @contextlib.contextmanager
 def one_line_warnings(command: str) -> Iterator[None]:
-    """While a command runs, a warning prints as ``tokenmill <command>: warning: <message>``, not
-    as Python's two lines with a source path (then Python's own way is restored)."""
+    """While a command runs, a warning is one line ``tokenmill <command>: warning: <message>``."""
     def show(message, category, filename, lineno, file=None, line=None):
         text = str(message).removeprefix("tokenmill: ")
         say(command, f"warning: {text}", 0)
@@ -390,18 +389,17 @@ def run_plan(args) -> int:
     if args.layout == "packed" and not args.store:
         raise ConfigError("--layout packed needs --store STORE: the packed plan's size "
                           "depends on the store's document lengths")
-    from tokenmill.load.packplan import window_memory
+    from tokenmill.load import fastpath, packplan
     from tokenmill.store import read_manifest
     m = read_manifest(args.store) if args.store else {"num_documents": 0, "num_tokens": 0}
-    docs, packed = m["num_documents"], window_memory(m["num_documents"], m["num_tokens"], args.seq_len)
+    packed = packplan.window_memory(m["num_documents"], m["num_tokens"], args.seq_len)
     plan = memory_plan(seq_len=args.seq_len, batch_size=args.batch_size, layout=args.layout,
                        dtype=args.dtype, prefetch=args.prefetch, packed_bytes=packed)
     print(f"batch ring     {plan['batch_ring'] / 2**20:10.2f} MiB  "
           f"({args.prefetch} prefetched + 2 held batches of {args.batch_size}×{args.seq_len})")
     if args.layout == "packed":
-        from tokenmill.load.fastpath import status
-        print(f"packed windows {plan['packed_layout'] / 2**20:10.2f} MiB  (at most, {docs:,} documents)")
-        print(f"row filler     {status()}")
+        print(f"packed windows {plan['packed_layout'] / 2**20:10.2f} MiB  (at most, "
+              f"{m['num_documents']:,} documents)\nrow filler     {fastpath.status()}")
     print(f"total          {plan['total'] / 2**20:10.2f} MiB  (prefetch=\"auto\" grows within "
           f"{PREFETCH_MEMORY_BUDGET / 2**30:.0f} GiB)")
     return 0

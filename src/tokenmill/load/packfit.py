@@ -56,45 +56,48 @@ def fit_rows(length: np.ndarray, capacity: int, rows: int, max_segments: int | N
 def _split(item, off, seg_len, row, n: int, rows: int, cut: set):
     """New rows n … rows-1: each takes the second half of the segments of the row with the most
     (ties: the lowest row), or, when every row has one, the second half of the longest segment
-    (ties: the first). Both found by heaps (stale entries skipped): O(segments · log)."""
-    item, off, seg_len, row = (list(a.tolist()) for a in (item, off, seg_len, row))
-    members: list[list[int]] = [[] for _ in range(rows)]  # each row's segments, in order
-    for i, x in enumerate(row):
-        members[x].append(i)
-    most = [(-len(m), x) for x, m in enumerate(members[:n])]  # (-segments, row)
-    longest = [(-x, i) for i, x in enumerate(seg_len)]  # (-length, segment)
+    (ties: the first). Both found by heaps (stale entries skipped): O(rows · log) — a row's
+    segments stay one run of indices (halving a run leaves two), so a row is (first, count),
+    never a list of its segments — plus O(segments) for the longest-segment heap, built only
+    when every row is down to one segment."""
+    size, grow = len(item), rows - n  # a long segment's second half is appended: <= grow
+    item, off, seg_len, row = (np.concatenate([np.asarray(a, np.int64), np.zeros(grow, np.int64)])
+                               for a in (item, off, seg_len, row))
+    cnt = np.bincount(row[:size], minlength=rows).tolist()  # segments of each row
+    first = np.concatenate([[0], np.cumsum(cnt[:-1])]).tolist()  # each row's first segment
+    most = [(-c, x) for x, c in enumerate(cnt[:n])]  # (-segments, row)
     heapq.heapify(most)
-    heapq.heapify(longest)
+    longest = None  # (-length, segment), made at first need: no segment changes before
     for new in range(n, rows):
-        while most and -most[0][0] != len(members[most[0][1]]):
+        while most and -most[0][0] != cnt[most[0][1]]:
             heapq.heappop(most)
         if most and -most[0][0] >= 2:
             r = most[0][1]
-            half = len(members[r]) // 2
-            members[r], members[new] = members[r][:half], members[r][half:]
-            for i in members[new]:
-                row[i] = new
+            half = cnt[r] // 2
+            first[new], cnt[new], cnt[r] = first[r] + half, cnt[r] - half, half
+            row[first[new]:first[new] + cnt[new]] = new
             heapq.heappush(most, (-half, r))
-            heapq.heappush(most, (-len(members[new]), new))
+            heapq.heappush(most, (-cnt[new], new))
             continue
+        if longest is None:
+            longest = [(-x, i) for i, x in enumerate(seg_len[:size].tolist())]
+            heapq.heapify(longest)
         while longest and -longest[0][0] != seg_len[longest[0][1]]:
             heapq.heappop(longest)
         if not longest or -longest[0][0] < 3:
             continue  # nothing left to split: an empty row (only for windows of tiny documents)
         at = longest[0][1]
-        x = seg_len[at]
+        x = int(seg_len[at])
         g = (x + 1) // 2  # pieces [0, g) and [g - 1, x): the token at g - 1 ends one, starts one
         seg_len[at] = g
-        item.append(item[at])
-        off.append(off[at] + g - 1)
-        seg_len.append(x - g + 1)
-        row.append(new)
-        members[new] = [len(item) - 1]
+        item[size], off[size], seg_len[size], row[size] = item[at], off[at] + g - 1, x - g + 1, new
+        first[new], cnt[new] = size, 1
         heapq.heappush(longest, (-g, at))
-        heapq.heappush(longest, (-(x - g + 1), len(item) - 1))
+        heapq.heappush(longest, (-(x - g + 1), size))
         heapq.heappush(most, (-1, new))
-        cut.add(item[at])
-    return tuple(np.asarray(a, np.int64) for a in (item, off, seg_len, row))
+        cut.add(int(item[at]))
+        size += 1
+    return item[:size], off[:size], seg_len[:size], row[:size]
 
 
 def _squeeze(item, off, seg_len, row, n: int, rows: int, capacity: int, cap: int | None,

@@ -191,18 +191,12 @@ class SampleSource:
                                           self.config.max_segments)
             return
         groups = self.packed.locate(addrs)
-        if len(groups) == 1:  # the usual case: one window
-            window, _, local = groups[0]
-            if not self.rows.packed(window.layout, local, starts, dest, out):  # many segments
+        for window, which, local in groups:  # usually one window: no index array made
+            mine = dest if len(groups) == 1 else as_slice(as_rows(dest)[which])
+            part = starts if len(groups) == 1 else [starts[i] for i in which.tolist()]
+            if not self.rows.packed(window.layout, local, part, mine, out):  # many segments
                 pack.fill_packed_rows(window.layout, local, self.store.tokens, out,
-                                      as_rows(dest), gather=self.rows.gather)
-            return
-        rows = as_rows(dest)
-        for window, which, local in groups:
-            part = [starts[i] for i in which.tolist()]
-            if not self.rows.packed(window.layout, local, part, as_slice(rows[which]), out):
-                pack.fill_packed_rows(window.layout, local, self.store.tokens, out,
-                                      rows[which], gather=self.rows.gather)
+                                      as_rows(mine), gather=self.rows.gather)
 
 
 def open_sources(source, config: LayoutConfig, mixture=None) -> tuple[list[SampleSource], Mixture]:
@@ -357,7 +351,7 @@ def batch_arrays(batch_size: int, seq_len: int, dtype, masks: bool) -> dict[str,
 class BatchPlan:
     """Pure mapping from global sample positions to filled batch rows (no state but a cache)."""
 
-    BLOCK = 4096  # positions resolved at once: one vectorized permutation call per block
+    BLOCK = 4096  # positions resolved by one vectorized call (packed: ≤ an epoch's rows, ≥ 64)
 
     def __init__(self, sources: list[SampleSource], mix: Mixture | list[float], dtype: np.dtype,
                  *, closes: tuple = ()):
@@ -372,8 +366,7 @@ class BatchPlan:
         self.seq_len = self.config.seq_len
         self.fingerprint = fingerprint_of(sources, mix, self.config)
         self.samples_per_epoch = sum(s.num_samples for s in sources)
-        if self.packed:  # a block spans a few epochs at most: each epoch's windows are packed
-            self.BLOCK = max(64, min(self.BLOCK, self.samples_per_epoch))
+        self.BLOCK = max(64, min(self.BLOCK, self.samples_per_epoch)) if self.packed else self.BLOCK
         self.identities = [identity_of(s.store) for s in sources]
         self._closes = list(closes)  # the stores this plan opened itself
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray, list[int] | None]] = {}

@@ -76,6 +76,7 @@ MANIFEST_CHECKSUM = "manifest_xxh3"
 IDX_MAGIC = b"MMIDIDX\x00\x00"
 IDX_VERSION = 1
 IDX_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, N, M: 34 bytes
+IDX_GAP = 256  # read_idx_entries reads through gaps of up to this many entries (3 KiB)
 DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
                6: np.float64, 7: np.float32, 8: np.uint16}
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
@@ -171,38 +172,44 @@ def read_idx(path: str | os.PathLike, *, in_memory: bool = False,
 def read_idx_entries(path: str | os.PathLike, local: np.ndarray, *,
                      check: StatCheck | None = None) -> IdxEntries:
     """Documents ``local`` of an ``.idx`` file (byte offsets, lengths), with the file's dtype,
-    document count and tokens (where its last document ends), read by ``pread`` of the runs of
-    consecutive ids: no map and no descriptor kept — for passes over thousands of shards'
-    indexes, a few entries each. The caller compares the counts with what it expects: ids past
+    document count and tokens (where its last document ends), read by ``pread`` of spans of ids
+    (gaps of up to IDX_GAP entries read through: one read, not one per run): no map and no
+    descriptor kept — for passes over thousands of shards' indexes, a few entries each. The caller compares the counts with what it expects: ids past
     the file's documents are read as its last one."""
     path = Path(path)
     local = np.asarray(local, np.int64)
     with open(path, "rb") as f:
         n, _, code = _read_idx_header(path, f, check)
-        ids = np.clip(local, 0, max(0, n - 1)).tolist()  # past the end: the counts show it
-        if n:
-            ids.append(n - 1)  # where the last document ends: the file's tokens
-        want = sorted(set(ids))
-        at = {d: i for i, d in enumerate(want)}
-        lengths, pointers = np.empty(len(want), np.int64), np.empty(len(want), np.int64)
-        lens_at, ptrs_at, fd, a = IDX_HEADER.size, IDX_HEADER.size + 4 * n, f.fileno(), 0
         dtype = np.dtype(DTYPE_CODES[code])
-        for b in range(1, len(want) + 1):  # runs of consecutive ids: one pread each array
-            if b == len(want) or want[b] != want[b - 1] + 1:
-                first, k = want[a], b - a
-                lengths[a:b] = np.frombuffer(os.pread(fd, 4 * k, lens_at + 4 * first), "<i4")
-                more = min(k + 1, n - first)  # and the next document's offset: where it ends
-                ptrs = np.frombuffer(os.pread(fd, 8 * more, ptrs_at + 8 * first), "<i8")
-                pointers[a:b] = ptrs[:k]
-                if np.any(np.diff(ptrs) != lengths[a:a + more - 1] * dtype.itemsize) or \
-                        (first == 0 and ptrs[0] != 0):
-                    raise StoreError(f"{path}: documents {first:,}..{first + k - 1:,}: offsets and "
-                                     "lengths disagree; the index is damaged — run 'tokenmill "
-                                     "verify'")
-                a = b
-    tokens = int(pointers[-1]) // dtype.itemsize + int(lengths[-1]) if n else 0
-    back = np.fromiter((at[d] for d in ids[:len(local)]), np.int64, len(local))
+        if n == 0:  # no documents: nothing to read, every id past the end
+            return IdxEntries(dtype, 0, 0, np.zeros(len(local), np.int64),
+                              np.zeros(len(local), np.int64))
+        ids = np.clip(local, 0, n - 1)  # past the end: the counts show it
+        want = np.sort(np.append(ids, n - 1))  # and where the last document ends: the tokens
+        want = want[np.append(True, want[1:] != want[:-1])]  # each id once, ascending
+        lengths, pointers = np.empty(len(want), np.int64), np.empty(len(want), np.int64)
+        cuts = (np.flatnonzero(np.diff(want) > IDX_GAP) + 1).tolist()
+        for a, b in zip([0, *cuts], [*cuts, len(want)]):  # spans of ids: one pread each array
+            first = int(want[a])
+            lens, ptrs = _idx_span(path, f.fileno(), n, dtype, first, int(want[b - 1]) - first + 1)
+            lengths[a:b], pointers[a:b] = lens[want[a:b] - first], ptrs[want[a:b] - first]
+    tokens = int(pointers[-1]) // dtype.itemsize + int(lengths[-1])
+    back = np.searchsorted(want, ids)
     return IdxEntries(dtype, n, tokens, pointers[back], lengths[back])
+
+
+def _idx_span(path: Path, fd: int, n: int, dtype: np.dtype, first: int, k: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Lengths and byte offsets of documents [first, first + k) of an ``.idx`` of ``n``
+    documents, checked against each other (and the next document's offset: where it ends)."""
+    lengths = np.frombuffer(os.pread(fd, 4 * k, IDX_HEADER.size + 4 * first), "<i4")
+    more = min(k + 1, n - first)
+    ptrs = np.frombuffer(os.pread(fd, 8 * more, IDX_HEADER.size + 4 * n + 8 * first), "<i8")
+    if np.any(np.diff(ptrs) != lengths[:more - 1] * dtype.itemsize) or \
+            (first == 0 and ptrs[0] != 0):
+        raise StoreError(f"{path}: documents {first:,}..{first + k - 1:,}: offsets and lengths "
+                         "disagree; the index is damaged — run 'tokenmill verify'")
+    return lengths.astype(np.int64), ptrs[:k]
 
 
 def _read_idx_header(path: Path, f, check: StatCheck | None) -> tuple[int, int, int]:

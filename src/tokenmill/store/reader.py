@@ -19,7 +19,6 @@ fails the next read (and ``check()``) with a StoreError naming the file.
 from __future__ import annotations
 
 import os
-import resource
 import threading
 from array import array
 from collections import OrderedDict
@@ -33,35 +32,12 @@ import numpy as np
 from tokenmill.base.arrays import by_value
 from tokenmill.base.errors import ConfigError, StoreError, check_int
 from tokenmill.base.io import ChecksumWatch, file_id, is_url, map_file, redact
+from tokenmill.base.procs import default_max_open
 from tokenmill.store.cache import CacheFullError, RemoteShards
-from tokenmill.store.format import (
-    MANIFEST,
-    IdxArrays,
-    read_idx,
-    read_idx_entries,
-    read_manifest,
-    size_or_raise,
-)
+from tokenmill.store.format import (MANIFEST, IdxArrays, read_idx, read_idx_entries,
+                                    read_manifest, size_or_raise)
 
-
-
-def default_max_open() -> int:
-    """Shard files a store keeps mapped at once (each map holds one descriptor): a quarter of
-    this process's descriptor limit, at least 32 and at most 16,384 — a packed batch of short
-    documents reads hundreds of shards, and re-mapping one costs ~60 µs.
-
-    32 <= default_max_open() <= 16384
-    """
-    try:
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ValueError, OSError):
-        soft = 1024
-    if soft == resource.RLIM_INFINITY:
-        soft = 1 << 20
-    return max(32, min(soft // 4, 16384))
-
-
-MAX_OPEN = default_max_open()
+MAX_OPEN = default_max_open()  # shard files a store keeps mapped at once
 VERIFY_MODES = ("background", "off")
 VERIFY_HINT = ("; reading it would give other tokens than were prepared — run 'tokenmill "
                "verify', then 'tokenmill prepare' again")
