@@ -530,3 +530,29 @@ def test_verify_recomputes_the_fingerprint(prepared_store, tmp_path, edit):
     assert r.stdout.splitlines()[0] == (
         f"BAD  {store}/manifest.json: fingerprint {got!r}, but its tokenizer, dtype and shard "
         f"checksums give {want!r} (damaged, or edited)"), r.stdout
+
+
+def test_index_entries_read_in_spans_equal_the_whole_index(tmp_path):
+    from conftest import write_token_store
+    from tokenmill.store.format import IDX_GAP, IDX_HEADER, read_idx, read_idx_entries
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(0, 50, 5000)  # empty documents too
+    write_token_store(tmp_path / "s", np.zeros(int(lengths.sum())), lengths)
+    idx = tmp_path / "s" / "shard-00000.idx"
+    whole = read_idx(idx, in_memory=True)
+    cases = [np.array([3]), np.array([4999, 0, 4999, 7]), np.arange(0, 5000, 3),
+             np.arange(0, 5000, IDX_GAP + 1), rng.integers(0, 5000, 700), np.array([5000, 9999]),
+             np.array([], np.int64)]
+    for ids in cases:
+        got = read_idx_entries(idx, ids)
+        want = np.minimum(ids, 4999)  # past the end: read as the last document
+        assert got.num_documents == 5000 and got.num_tokens == int(lengths.sum())
+        assert np.array_equal(got.lengths, whole.lengths[want])
+        assert np.array_equal(got.pointers, whole.pointers[want])
+    # a length damaged in the middle of a span is caught, naming the file and the documents
+    raw = bytearray(idx.read_bytes())
+    struct.pack_into("<i", raw, IDX_HEADER.size + 4 * 2500, int(lengths[2500]) + 1)
+    idx.write_bytes(bytes(raw))
+    with pytest.raises(StoreError, match=r"shard-00000\.idx: documents .* offsets and lengths "
+                                         r"disagree"):
+        read_idx_entries(idx, np.arange(2400, 2600, 7))
