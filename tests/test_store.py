@@ -556,3 +556,5 @@ def test_index_entries_read_in_spans_equal_the_whole_index(tmp_path):
     with pytest.raises(StoreError, match=r"shard-00000\.idx: documents .* offsets and lengths "
                                          r"disagree"):
         read_idx_entries(idx, np.arange(2400, 2600, 7))
+    with pytest.raises(StoreError, match="offsets and lengths disagree"):
+        read_idx_entries(idx, np.arange(0, 5000, 2))  # most of the file: read whole

@@ -185,6 +185,10 @@ def read_idx_entries(path: str | os.PathLike, local: np.ndarray, *,
             return IdxEntries(dtype, 0, 0, np.zeros(len(local), np.int64),
                               np.zeros(len(local), np.int64))
         ids = np.clip(local, 0, n - 1)  # past the end: the counts show it
+        if 4 * len(ids) >= n:  # a quarter of the file or more: read it whole, no sort
+            lengths, pointers = _idx_span(path, f.fileno(), n, dtype, 0, n)
+            tokens = int(pointers[-1]) // dtype.itemsize + int(lengths[-1])
+            return IdxEntries(dtype, n, tokens, pointers[ids], lengths[ids])
         want = np.sort(np.append(ids, n - 1))  # and where the last document ends: the tokens
         want = want[np.append(True, want[1:] != want[:-1])]  # each id once, ascending
         lengths, pointers = np.empty(len(want), np.int64), np.empty(len(want), np.int64)
