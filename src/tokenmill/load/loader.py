@@ -31,11 +31,10 @@ from tokenmill.load.balanced import balance_of, balanced_fingerprint, balanced_p
 from tokenmill.base.errors import ConfigError, StaleIterator, check_int
 from tokenmill.load.lifetime import Iteration, OneIterator, Pass
 from tokenmill.load.mixture import described_phases
-from tokenmill.load.options import LoaderOptions
+from tokenmill.load.options import LoaderOptions, loader_prefetch, loader_workers
 from tokenmill.load.pacing import Pacer
 from tokenmill.load.packplan import packing_name
 from tokenmill.load.plan import STATE_VERSION, BatchPlan, LayoutConfig, global_positions, resolve_rank
-from tokenmill.base.procs import resolve_workers, usable_cores
 from tokenmill.load.provenance import RowOrigin, explain_positions
 from tokenmill.load.ranks import CheckedFirst, agree
 from tokenmill.load.resume import Difference, consumed_from, report
@@ -91,11 +90,11 @@ class Loader(OneIterator):
             check_int("rank", rank, minimum=0, optional=True),
             check_int("world_size", world_size, minimum=1, optional=True))
         self.epochs, self.worker_type = opts.epochs, opts.worker_type
-        self.num_workers = _resolve_workers(num_workers)
+        self.num_workers = loader_workers(num_workers)
         # "auto": inline or one worker ahead, decided by measured times (pacing.Pacer)
         self.pacer = Pacer(handoff_s=pacing.HANDOFF_S) if num_workers == "auto" and \
             self.num_workers else None
-        self.prefetch = _resolve_prefetch(opts.prefetch, self.num_workers)
+        self.prefetch = loader_prefetch(opts.prefetch, self.num_workers)
         self.plan = BatchPlan.open(source, self.config, dtype=opts.dtype, mixture=opts.mixture)
         self._finalizer = weakref.finalize(self, _shutdown, None)
         self.weights = self.plan.weights
@@ -470,17 +469,3 @@ class Loader(OneIterator):
 def _shutdown(pool) -> None:
     if pool is not None:
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _resolve_workers(num_workers: int | str) -> int:
-    if num_workers == "auto":
-        # at most one background worker, used while the Pacer measures that it pays (numpy
-        # copies release the GIL); a pool that competes with the step for 2 cores loses
-        return 1 if usable_cores() > 1 else 0
-    return resolve_workers(num_workers, name="num_workers", minimum=0)
-
-
-def _resolve_prefetch(prefetch: int | str, num_workers: int) -> int:
-    if prefetch == "auto":
-        return 2 * max(1, num_workers)  # a starting depth; deepened while data wait > 1%
-    return prefetch
