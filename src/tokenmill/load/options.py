@@ -31,6 +31,9 @@ class LoaderOptions:
     # named stores: [(first global sample, {name: weight}), …] phases (docs/mixing.md)
     mixture: Sequence | None = None
     balance: Any = None  # "attention" or a balance.CostModel: ranks' rows dealt by cost
+    # [(first step, seq_len), …] at tokens_per_step tokens a step (docs/guide-torch.md)
+    seq_len_schedule: Sequence | None = None
+    tokens_per_step: int | None = None
 
     def __post_init__(self):  # frozen: the ints are made plain ints once, here
         if self.prefetch != "auto":
