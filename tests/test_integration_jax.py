@@ -56,6 +56,18 @@ def test_two_processes_make_one_global_array(store):
     assert reports[0]["sums"] == reports[1]["sums"]  # one global reduction, seen by both
 
 
+def test_a_seq_len_schedule_is_refused_naming_it(store):
+    """to_jax makes one global shape: a Loader whose batches change shape at each phase is a
+    one-line ConfigError (before any device or sharding is touched)."""
+    from tokenmill.base.errors import ConfigError
+    from tokenmill.integrations.jax import to_jax
+    from tokenmill.load.loader import Loader
+    with Loader(store, seq_len_schedule=[(0, 8), (2, 16)], tokens_per_step=64) as ld:
+        with pytest.raises(ConfigError, match=r"to_jax needs one batch shape, but this Loader "
+                           r"has seq_len_schedule=\[\[0, 8\], \[2, 16\]\]"):
+            to_jax(ld, None)
+
+
 # ---- the guide's example runs as written ---------------------------------------------------
 
 def test_guide_example_runs(tmp_path):

@@ -195,6 +195,25 @@ def test_pipeline_delivers_exact_batches_overlapped_waited_and_kept(store):
         assert same(held, expected(loader, 30))
 
 
+def test_a_seq_len_schedule_reaches_the_device_in_each_phases_shape(store):
+    """Loader(seq_len_schedule=…): the pinned slots are made again when a phase changes the
+    batch's shape, every batch arrives exact; TokenDataset (one batch size a step) refuses it."""
+    def make():
+        return Loader(store, seq_len_schedule=[(0, 8), (3, 16)], tokens_per_step=64,
+                      num_workers=0)
+    fake = FakeDevice()
+    with make() as ref:
+        want = take(ref, 7)
+    with TorchBatches(make(), torch.device("cpu"), ops=fake, depth=2) as batches:
+        held = [b for _, b in zip(range(7), batches)]
+        fake.drain()
+        assert [tuple(b["inputs"].shape) for b in held] == [(8, 8)] * 3 + [(4, 16)] * 4
+        assert same(held, want)
+        assert fake.pinned_count == 2 * 3 * 2  # depth + 1 slots of 2 arrays, for each shape
+    with make() as ld, pytest.raises(ConfigError, match="TokenDataset needs one batch shape"):
+        TokenDataset(ld)
+
+
 def test_fake_device_catches_a_buffer_refilled_too_early(store):
     fake = FakeDevice()
     fake.synchronize = lambda event: None  # the bug: refill a pinned slot without waiting
@@ -376,3 +395,5 @@ def test_guide_example_runs(tmp_path):
     """docs/guide-torch.md's python blocks, in order, as one script in an empty directory."""
     done = run_guide("guide-torch.md", tmp_path)
     assert "loss after 60 steps" in done.stdout
+    assert "[(4, 128), (4, 128), (4, 128)]" in done.stdout  # a schedule's step 12 on 3 ranks
+    assert done.stdout.strip().endswith("seq_len schedule ok")

@@ -33,6 +33,7 @@ import numpy as np
 
 from tokenmill.base.errors import ConfigError
 from tokenmill.load.device import AheadOfLoader
+from tokenmill.load.lengthplan import one_shape
 from tokenmill.load.loader import Loader
 
 __all__ = ["JaxBatches", "document_mask", "sequence_ids", "to_jax"]
@@ -67,6 +68,7 @@ class JaxBatches(AheadOfLoader):
     """
 
     def __init__(self, loader: Loader, sharding: jax.sharding.Sharding, *, depth: int = 2):
+        one_shape(loader.seq_len_schedule, "to_jax")  # one global shape, made once
         super().__init__(loader, depth)
         self.sharding = sharding
         B = loader.batch_size

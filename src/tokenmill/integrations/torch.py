@@ -56,6 +56,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from tokenmill.load import attention
 from tokenmill.base.errors import ConfigError
 from tokenmill.load.device import AheadOfLoader
+from tokenmill.load.lengthplan import one_shape
 from tokenmill.load.loader import STATE_VERSION, Loader
 from tokenmill.load.resume import consumed_from
 from tokenmill.store.reader import TokenStore
@@ -219,6 +220,8 @@ class TorchBatches(AheadOfLoader):
         slot = self._slots[n % len(self._slots)]
         if slot.event is not None:
             ops.synchronize(slot.event)  # the copy that last read this buffer has finished
+        if any(slot.host[k].shape != a.shape for k, a in arrays.items()):  # a schedule's phase
+            slot = self._slots[n % len(self._slots)] = _Slot(ops, arrays)
         for k, a in arrays.items():
             slot.host[k].copy_(torch.from_numpy(a))
         with ops.stream():
@@ -288,6 +291,7 @@ class TokenDataset(IterableDataset):
 
     def __init__(self, loader: Loader):
         super().__init__()
+        one_shape(loader.seq_len_schedule, "TokenDataset")  # its workers step by one batch size
         loader.check_ranks()  # here, on every rank: DataLoader workers take no part in collectives
         self._spec = _loader_spec(loader)
         self.fingerprint = loader.fingerprint

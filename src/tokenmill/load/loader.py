@@ -29,13 +29,13 @@ from tokenmill.load import pacing
 from tokenmill.load.balanced import balance_of, balanced_fingerprint, balanced_positions, described, \
     step_balance
 from tokenmill.base.errors import ConfigError, StaleIterator, check_int
+from tokenmill.load.lengthplan import length_plan, one_shape, schedule_of
 from tokenmill.load.lifetime import Iteration, OneIterator, Pass
 from tokenmill.load.mixture import described_phases
-from tokenmill.load.options import LoaderOptions
+from tokenmill.load.options import LoaderOptions, loader_prefetch, loader_workers
 from tokenmill.load.pacing import Pacer
 from tokenmill.load.packplan import packing_name
 from tokenmill.load.plan import STATE_VERSION, BatchPlan, LayoutConfig, global_positions, resolve_rank
-from tokenmill.base.procs import resolve_workers, usable_cores
 from tokenmill.load.provenance import RowOrigin, explain_positions
 from tokenmill.load.ranks import CheckedFirst, agree
 from tokenmill.load.resume import Difference, consumed_from, report
@@ -63,7 +63,8 @@ class Loader(OneIterator):
     samples (docs/mixing.md). ``document_masks=True`` (concat) adds the documents' segment_ids,
     positions and loss_mask to each window (the Llama 3 recipe; docs/guide-torch.md).
     ``balance="attention"`` deals each global batch's rows to the ranks by attention cost
-    (docs/balance.md).
+    (docs/balance.md). ``seq_len_schedule=[(0, 2048), (100, 8192)], tokens_per_step=2**20``, in
+    place of seq_len and batch_size, changes seq_len at those steps (concat; docs/guide-torch.md).
 
     One live iterator: ``iter(loader)`` continues from ``consumed_samples``, and an iterator made
     before the last ``iter()``, ``load_state_dict()`` or ``close()`` raises ``StaleIterator`` at
@@ -77,31 +78,36 @@ class Loader(OneIterator):
 
     _pickle_hint = "; for torch DataLoader workers, pass tokenmill.torch.TokenDataset(loader)"
 
-    def __init__(self, source: str | os.PathLike | TokenStore | Mapping, *, seq_len: int,
-                 batch_size: int, layout: str = "concat", seed: int = 0,
-                 rank: int | None = None, world_size: int | None = None,
-                 num_workers: int | str = "auto", **options: Any):
+    def __init__(self, source: str | os.PathLike | TokenStore | Mapping, *,
+                 seq_len: int | None = None, batch_size: int | None = None,
+                 layout: str = "concat", seed: int = 0, rank: int | None = None,
+                 world_size: int | None = None, num_workers: int | str = "auto", **options: Any):
         self.options = opts = LoaderOptions.of(options)
-        self.config = LayoutConfig(seq_len=seq_len, layout=layout, seed=seed,
-                                   max_segments=opts.max_segments,
+        self.seq_len_schedule = sched = schedule_of(  # its plan: chunks of C = sched.chunk_tokens
+            opts, seq_len=seq_len, batch_size=batch_size, layout=layout, source=source)
+        self.config = LayoutConfig(seq_len=seq_len if sched is None else sched.chunk_tokens,
+                                   layout=layout, seed=seed, max_segments=opts.max_segments,
                                    document_masks=opts.document_masks)
         self.balance = balance_of(opts.balance, self.config)  # None: plan order, as before
-        self.batch_size = check_int("batch_size", batch_size, minimum=1)
+        self.batch_size = None if sched else check_int("batch_size", batch_size, minimum=1)
         self.rank, self.world_size = resolve_rank(
             check_int("rank", rank, minimum=0, optional=True),
             check_int("world_size", world_size, minimum=1, optional=True))
         self.epochs, self.worker_type = opts.epochs, opts.worker_type
-        self.num_workers = _resolve_workers(num_workers)
+        self.num_workers = loader_workers(num_workers)
         # "auto": inline or one worker ahead, decided by measured times (pacing.Pacer)
         self.pacer = Pacer(handoff_s=pacing.HANDOFF_S) if num_workers == "auto" and \
             self.num_workers else None
-        self.prefetch = _resolve_prefetch(opts.prefetch, self.num_workers)
+        self.prefetch = loader_prefetch(opts.prefetch, self.num_workers)
         self.plan = BatchPlan.open(source, self.config, dtype=opts.dtype, mixture=opts.mixture)
         self._finalizer = weakref.finalize(self, _shutdown, None)
         self.weights = self.plan.weights
-        self.fingerprint = balanced_fingerprint(self.plan.fingerprint, self.balance)
-        self.samples_per_epoch = self.plan.samples_per_epoch
-        if self.samples_per_epoch < self.global_batch_size:
+        self.lengths = length_plan(self.plan, sched, self.world_size)  # None: one seq_len
+        self._rows = self.lengths or self.plan  # what fills a step's rows
+        self.fingerprint = self.lengths.fingerprint if self.lengths else \
+            balanced_fingerprint(self.plan.fingerprint, self.balance)
+        self.samples_per_epoch = None if sched else self.plan.samples_per_epoch  # rows vary
+        if sched is None and self.samples_per_epoch < self.global_batch_size:
             self.plan.close()
             raise ConfigError(f"batch_size × world_size = {self.global_batch_size:,} samples is "
                               f"more than one epoch holds ({self.samples_per_epoch:,} samples of "
@@ -114,7 +120,8 @@ class Loader(OneIterator):
         self._stage_lock = threading.Lock()
         self._ready = 0
         self._pool = None
-        self._ring = Ring(lambda: self.plan.new_buffers(self.batch_size), size=self.prefetch + 2)
+        self._ring = Ring(self.lengths.new_buffers if self.lengths else
+                          lambda: self.plan.new_buffers(self.batch_size), size=self.prefetch + 2)
 
     @classmethod
     def from_text(cls, inputs, *, tokenizer: str = "bytes", seq_len: int, batch_size: int,
@@ -137,19 +144,21 @@ class Loader(OneIterator):
     # ---- the stream -------------------------------------------------------------------------
 
     @property
-    def global_batch_size(self) -> int:
-        """Samples per step across all ranks."""
-        return self.batch_size * self.world_size
+    def global_batch_size(self) -> int | None:
+        """Samples per step across all ranks (None with a seq_len_schedule: they vary)."""
+        return None if self.lengths else self.batch_size * self.world_size
 
     def __len__(self) -> int:
-        """Steps per epoch (an epoch = every sample of every store once)."""
-        return self.samples_per_epoch // self.global_batch_size
+        """Steps per epoch (an epoch = every sample of every store once; a schedule's: every
+        token of its chunks once)."""
+        return self.lengths.steps_per_epoch if self.lengths else \
+            self.samples_per_epoch // self.global_batch_size
 
     @property
     def total_steps(self) -> int | None:
         """Steps until the end of ``epochs``, counted from the start (None: runs forever)."""
-        if self.epochs is None:
-            return None
+        if self.epochs is None or self.lengths is not None:  # a schedule's epochs: in tokens
+            return None if self.epochs is None else self.lengths.total_steps(self.epochs)
         return self.epochs * self.samples_per_epoch // self.global_batch_size
 
     def positions(self, consumed: int) -> np.ndarray:
@@ -158,24 +167,33 @@ class Loader(OneIterator):
             return balanced_positions(self.plan, consumed, batch_size=self.batch_size,
                                       rank=self.rank, world_size=self.world_size,
                                       model=self.balance)
-        return global_positions(consumed, batch_size=self.batch_size, rank=self.rank,
+        rows = self.lengths.shape_at(consumed)[0] if self.lengths else self.batch_size
+        return global_positions(consumed, batch_size=rows, rank=self.rank,
                                 world_size=self.world_size)
+
+    def _take(self, consumed: int) -> dict[str, np.ndarray]:
+        """Ring buffers for the step at ``consumed`` (a schedule: of its phase's shape)."""
+        return self._ring.take(self.lengths.shape_at(consumed) if self.lengths else None)
 
     def batch_at(self, consumed: int, out: dict[str, np.ndarray] | None = None) -> dict:
         """The batch of the step starting at global sample ``consumed`` (pure; for tests/tools)."""
-        out = self.plan.new_buffers(self.batch_size) if out is None else out
-        self.plan.fill(self.positions(consumed), out)
+        if out is None:
+            out = self.lengths.new_buffers(self.lengths.shape_at(consumed)) if self.lengths \
+                else self.plan.new_buffers(self.batch_size)
+        self._rows.fill(self.positions(consumed), out)
         return out
 
     def explain(self, step: int) -> list[RowOrigin]:
         """Where each row of this rank's batch at ``step`` (of this loader's batch size) came from:
         store, draw, and per document piece the shard, document number and token offset."""
         step = check_int("step", step, minimum=0)  # -1 explained another step's rows
+        one_shape(self.seq_len_schedule, "Loader.explain", "explain a run of one seq_len")
         return explain_positions(self.plan, self.positions(step * self.global_batch_size))
 
     def _remaining(self) -> int | None:
-        if self.epochs is None:
-            return None
+        if self.epochs is None or self.lengths is not None:
+            return None if self.epochs is None else self.lengths.remaining(self._consumed,
+                                                                           self.epochs)
         end = self.total_steps * self.global_batch_size
         return max(0, (end - self._consumed) // self.global_batch_size)
 
@@ -211,13 +229,13 @@ class Loader(OneIterator):
             self._ring.reclaim(bufs)
             raise StaleIterator(token.why or "this loader was iterated again, loaded or closed")
         self.plan.check_stores()
-        self._consumed += self.global_batch_size
+        self._consumed += self.world_size * len(bufs["inputs"])  # the step's rows, all ranks
         return self._ring.hand_out(bufs)
 
     def _inline(self, token: Iteration) -> Iterator[dict[str, np.ndarray]]:
         remaining = self._remaining()
         while remaining is None or remaining > 0:
-            bufs = self._ring.take()
+            bufs = self._take(self._consumed)
             self._timed_fill(self.positions(self._consumed), bufs)
             remaining = None if remaining is None else remaining - 1
             yield self._hand_out(token, bufs)
@@ -225,14 +243,14 @@ class Loader(OneIterator):
     def _ahead(self, token: Iteration) -> Iterator[dict[str, np.ndarray]]:
         pool = self._ensure_pool()
         ahead: deque[tuple[Future, dict]] = deque()
-        nxt, n_left, gb = self._consumed, self._remaining(), self.global_batch_size
+        nxt, n_left, W = self._consumed, self._remaining(), self.world_size
         clock = time.perf_counter
         try:
             while True:
                 while len(ahead) < self.prefetch and (n_left is None or n_left > 0):
-                    bufs = self._ring.take()
+                    bufs = self._take(nxt)
                     ahead.append((pool.submit(self._timed_fill, self.positions(nxt), bufs), bufs))
-                    nxt += gb
+                    nxt += W * len(bufs["inputs"])
                     n_left = None if n_left is None else n_left - 1
                 if not ahead:
                     return
@@ -250,16 +268,17 @@ class Loader(OneIterator):
         """The default: inline while assembling is cheap, ahead on a worker while the Pacer's
         measurements say it is not; prefetched batches drain in order before going inline."""
         ahead: deque[tuple[Future, dict]] = deque()
-        nxt, n_left, gb = self._consumed, self._remaining(), self.global_batch_size
+        nxt, n_left, W = self._consumed, self._remaining(), self.world_size
         clock = time.perf_counter
         try:
             while True:
                 while self.pacer.mode == "ahead" and len(ahead) < self.prefetch and \
                         (n_left is None or n_left > 0):
-                    bufs = self._ring.take()
+                    bufs = self._take(nxt)
                     ahead.append((self._ensure_pool().submit(self._timed_fill,
                                                              self.positions(nxt), bufs), bufs))
-                    nxt, n_left = nxt + gb, None if n_left is None else n_left - 1
+                    nxt += W * len(bufs["inputs"])
+                    n_left = None if n_left is None else n_left - 1
                 t0, waited = clock(), None
                 if ahead:
                     fut, bufs = ahead.popleft()
@@ -267,9 +286,10 @@ class Loader(OneIterator):
                     took = self._waited(fut)
                     waited = clock() - t0
                 elif n_left is None or n_left > 0:
-                    bufs = self._ring.take()
+                    bufs = self._take(nxt)
                     took = self._timed_fill(self.positions(nxt), bufs)
-                    nxt, n_left = nxt + gb, None if n_left is None else n_left - 1
+                    nxt += W * len(bufs["inputs"])
+                    n_left = None if n_left is None else n_left - 1
                 else:
                     return
                 batch = self._hand_out(token, bufs)
@@ -298,11 +318,11 @@ class Loader(OneIterator):
     def _timed_fill(self, positions: np.ndarray, bufs: dict) -> float:
         t0 = time.perf_counter()
         if (spans := self._spans) is None:
-            self.plan.fill(positions, bufs)
+            self._rows.fill(positions, bufs)
         else:  # traced: the plan (positions → addresses) and the gather (the copies) apart
-            resolved = self.plan.resolve(positions)
+            resolved = self._rows.resolve(positions)
             t1 = time.perf_counter()
-            self.plan.fill_resolved(resolved, bufs)
+            self._rows.fill_resolved(resolved, bufs)
             spans("plan", t0, t1)
             spans("gather", t1, time.perf_counter())
         took = time.perf_counter() - t0
@@ -336,7 +356,8 @@ class Loader(OneIterator):
             info = {"mode": "ahead", "why": f"num_workers={self.num_workers} given"}
         return {**info, "workers": self.num_workers, "worker_type": self.worker_type,
                 "prefetch": self.prefetch, **({"balance": self._balance_stats()} if self.balance
-                                              else {})}
+                                              else {}),
+                **({"seq_len_phase": self.lengths.stats(self._consumed)} if self.lengths else {})}
 
     def _balance_stats(self) -> dict[str, Any]:
         """The last step handed out (else the first): max / mean cost across ranks, balanced and
@@ -379,7 +400,9 @@ class Loader(OneIterator):
 
     def buffer_bytes(self, prefetch: int | None = None) -> int:
         """Host memory the batch buffers take at a prefetch depth (ring = depth + 2 batches)."""
-        per_batch = sum(a.nbytes for a in self.plan.new_buffers(self.batch_size).values())
+        bufs = self.lengths.new_buffers(self.lengths.shape_at(0)) if self.lengths else \
+            self.plan.new_buffers(self.batch_size)  # a schedule: every phase's the same bytes
+        per_batch = sum(a.nbytes for a in bufs.values())
         return per_batch * ((self.prefetch if prefetch is None else prefetch) + 2)
 
     def _ensure_pool(self):
@@ -413,7 +436,8 @@ class Loader(OneIterator):
                 **({"packing": packing_name(config.max_segments)} if config.layout == "packed"
                    else {}),
                 **({"document_masks": True} if config.document_masks else {}),
-                **({"balance": described(self.balance)} if self.balance else {})}
+                **({"balance": described(self.balance)} if self.balance else {}),
+                **(self.lengths.describe() if self.lengths else {})}
 
     def resume_report(self, state: Mapping[str, Any]) -> list[Difference]:
         """How ``state`` and this loader differ (``Difference(what, safe)``, unsafe first); a
@@ -425,6 +449,8 @@ class Loader(OneIterator):
         past mixture phase edited, and a ``consumed_samples`` that is not an int in [0, 2**63)
         (numpy integers are fine), saying what differs."""
         consumed = consumed_from(state, self.describe(), self.fingerprint)
+        if self.lengths:
+            self.lengths.step(consumed)  # the first row of a step, or a ConfigError
         self._retire(f"this Loader's state was loaded (load_state_dict, or a new pass of a "
                      f"wrapper such as to_torch) after this iterator was made; iterate again to "
                      f"continue from consumed_samples={consumed:,}")
@@ -470,17 +496,3 @@ class Loader(OneIterator):
 def _shutdown(pool) -> None:
     if pool is not None:
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _resolve_workers(num_workers: int | str) -> int:
-    if num_workers == "auto":
-        # at most one background worker, used while the Pacer measures that it pays (numpy
-        # copies release the GIL); a pool that competes with the step for 2 cores loses
-        return 1 if usable_cores() > 1 else 0
-    return resolve_workers(num_workers, name="num_workers", minimum=0)
-
-
-def _resolve_prefetch(prefetch: int | str, num_workers: int) -> int:
-    if prefetch == "auto":
-        return 2 * max(1, num_workers)  # a starting depth; deepened while data wait > 1%
-    return prefetch

@@ -10,8 +10,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from tokenmill.base.errors import ConfigError, check_int
+from tokenmill.base.procs import resolve_workers, usable_cores
 
-__all__ = ["LoaderOptions", "WORKER_TYPES"]
+__all__ = ["LoaderOptions", "WORKER_TYPES", "loader_prefetch", "loader_workers"]
 
 WORKER_TYPES = ("thread", "process")
 
@@ -30,6 +31,9 @@ class LoaderOptions:
     # named stores: [(first global sample, {name: weight}), …] phases (docs/mixing.md)
     mixture: Sequence | None = None
     balance: Any = None  # "attention" or a balance.CostModel: ranks' rows dealt by cost
+    # [(first step, seq_len), …] at tokens_per_step tokens a step (docs/guide-torch.md)
+    seq_len_schedule: Sequence | None = None
+    tokens_per_step: int | None = None
 
     def __post_init__(self):  # frozen: the ints are made plain ints once, here
         if self.prefetch != "auto":
@@ -56,3 +60,19 @@ class LoaderOptions:
                 raise TypeError(f"Loader() got an unexpected keyword argument {name!r} "
                                 f"(its options are {sorted(known)})")
         return cls(**options)
+
+
+def loader_workers(num_workers: int | str) -> int:
+    """A Loader's ``num_workers``: an int >= 0, or "auto" (1 when there is a spare core, else 0)."""
+    if num_workers == "auto":
+        # at most one background worker, used while the Pacer measures that it pays (numpy
+        # copies release the GIL); a pool that competes with the step for 2 cores loses
+        return 1 if usable_cores() > 1 else 0
+    return resolve_workers(num_workers, name="num_workers", minimum=0)
+
+
+def loader_prefetch(prefetch: int | str, num_workers: int) -> int:
+    """A Loader's starting prefetch depth: as given, or for "auto" two batches a worker."""
+    if prefetch == "auto":
+        return 2 * max(1, num_workers)  # a starting depth; deepened while data wait > 1%
+    return prefetch

@@ -99,7 +99,10 @@ def differences(saved: Mapping[str, Any], now: Mapping[str, Any],
     if "stores" in saved and saved.get("stores") != now.get("stores"):
         named = saved.get("mixture") is not None or now.get("mixture") is not None
         out += _stores(list(saved["stores"]), list(now.get("stores") or []), named)
+    sched = saved.get("seq_len_schedule"), now.get("seq_len_schedule")
     for key in UNSAFE_KEYS + SAFE_KEYS:
+        if sched != (None, None) and key in ("seq_len", "batch_size"):
+            continue  # a schedule's are per phase: the schedule is compared below
         if key in saved and saved.get(key) != now.get(key):
             out.append(Difference(f"{key} {saved.get(key)} → {now.get(key)}", key in SAFE_KEYS or
                                   key == "max_segments" and now.get("layout") == "concat"))
@@ -110,6 +113,10 @@ def differences(saved: Mapping[str, Any], now: Mapping[str, Any],
     if bal[0] != bal[1]:  # recorded only when on: which rows each rank takes
         out.append(Difference(f"balance {bal[0] or 'off'} → {bal[1] or 'off'} (cost model [a, b] "
                               "of the ranks' deal; resume with the run's balance setting)", False))
+    if sched[0] != sched[1]:  # recorded only when on: every step's seq_len and rows
+        out.append(Difference(f"seq_len_schedule {_schedule(saved)} → {_schedule(now)} "
+                              "(resume with the run's seq_len_schedule and tokens_per_step)",
+                              False))
     if saved.get("layout") == now.get("layout") == "packed" and \
             saved.get("packing", LEGACY_PACKING) != now.get("packing"):
         out.append(Difference(_packing_change(saved.get("packing", LEGACY_PACKING),
@@ -120,6 +127,14 @@ def differences(saved: Mapping[str, Any], now: Mapping[str, Any],
     elif was is not None and was != new:
         out += _phases(was, new, consumed)
     return sorted(out, key=lambda d: d.safe)
+
+
+def _schedule(stream: Mapping[str, Any]) -> str:
+    """A stream record's seq_len_schedule in words ("off (seq_len 2048)" when it has none)."""
+    s = stream.get("seq_len_schedule")
+    if not isinstance(s, Mapping):
+        return f"off (seq_len {stream.get('seq_len')})"
+    return f"{s.get('phases')} at {s.get('tokens_per_step')} tokens a step"
 
 
 def _packing_change(was: str, now: str) -> str:

@@ -46,19 +46,23 @@ class Ring:
         whose old view a user still holds stays taken: that view holds the array)."""
         self.view = view
 
-    def take(self) -> dict[str, np.ndarray]:
-        """A buffer set that nothing else references (reclaimed or new)."""
+    def take(self, shape: tuple[int, ...] | None = None) -> dict[str, np.ndarray]:
+        """A buffer set that nothing else references (reclaimed or new); with ``shape``, one of
+        arrays of that shape, made by ``make(shape)`` (free sets of another shape — a seq_len
+        schedule's earlier phase — are let go)."""
         with self._lock:
-            return self._take()
+            return self._take(shape)
 
-    def _take(self) -> dict[str, np.ndarray]:
+    def _take(self, shape: tuple[int, ...] | None) -> dict[str, np.ndarray]:
         while self.out and self._free(self.out[0]):
             self.free.append(self.out.popleft())
-        if self.free:
-            return self.free.popleft()
+        while self.free:
+            bufs = self.free.popleft()
+            if shape is None or next(iter(bufs.values())).shape == shape:
+                return bufs
         if len(self.out) >= self.size:  # the user keeps old batches: let them own those
             self.out.popleft()
-        bufs = self.make()
+        bufs = self.make() if shape is None else self.make(shape)
         # what an array's count reads when only the ring's dict holds it, measured the same way
         self.free_refs = refcounts(bufs)
         return bufs

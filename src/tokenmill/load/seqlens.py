@@ -13,6 +13,7 @@ every token once across phases; ``first_sample`` counts rows (of whatever length
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import NamedTuple
@@ -48,15 +49,17 @@ class LengthSchedule:
         try:
             phases = tuple((p[0], p[1]) for p in self.phases)
         except (TypeError, IndexError, KeyError):
-            raise ConfigError(f"phases must be (start step, seq_len) pairs (got "
-                              f"phases={self.phases!r})") from None
+            raise ConfigError(f"seq_len_schedule must be (start step, seq_len) pairs (got "
+                              f"{self.phases!r})") from None
         if not phases or not all(is_int(s) and is_int(n) for s, n in phases):
-            raise ConfigError(f"phases must be a non-empty list of (start step, seq_len) int "
-                              f"pairs (got phases={self.phases!r})")
+            raise ConfigError(f"seq_len_schedule must be a non-empty list of (start step, "
+                              f"seq_len) int pairs (got {self.phases!r})")
         phases = tuple((int(s), int(n)) for s, n in phases)
         starts = [s for s, _ in phases]
         if starts[0] != 0 or any(b <= a for a, b in pairwise(starts)):
-            raise ConfigError(f"phase starts must begin at step 0 and rise (got {starts})")
+            raise ConfigError(f"seq_len_schedule's phase starts must begin at step 0 and rise "
+                              f"(got {starts}): "
+                              "list the (start step, seq_len) phases in the order they start")
         for s, n in phases:
             if n < 1 or t % n:
                 raise ConfigError(f"the phase at step {s} has seq_len={n}, which does not divide "
@@ -81,20 +84,45 @@ class LengthSchedule:
         return StepShape(n, rows, self._firsts()[p] + (step - start) * rows,
                          step * self.tokens_per_step, p)
 
+    @property
+    def chunk_tokens(self) -> int:
+        """The least common multiple of the phases' seq_lens (the longest, for powers of two):
+        every step is whole chunks of it, and every row lies inside one.
+
+        LengthSchedule(((0, 4), (2, 8)), tokens_per_step=16).chunk_tokens == 8
+        """
+        return math.lcm(*(n for _, n in self.phases))
+
+    def locate(self, sample: int) -> tuple[int, int]:
+        """(step, row within that step) of the run's row number ``sample``.
+
+        LengthSchedule(((0, 4), (2, 8)), tokens_per_step=16).locate(9) == (2, 1)
+        """
+        sample = check_int("sample", sample, minimum=0)
+        firsts = self._firsts()
+        p = max(i for i, f in enumerate(firsts) if f <= sample)
+        start, n = self.phases[p]
+        k, row = divmod(sample - firsts[p], self.tokens_per_step // n)
+        return start + k, row
+
     def step_at_sample(self, samples: int) -> int:
         """The step that begins after ``samples`` rows (a checkpoint's consumed_samples);
         ConfigError when that count falls inside a step.
 
         LengthSchedule(((0, 4), (2, 8)), tokens_per_step=16).step_at_sample(10) == 3
         """
-        samples = check_int("samples", samples, minimum=0)
-        firsts = self._firsts()
-        p = max(i for i, f in enumerate(firsts) if f <= samples)
-        start, n = self.phases[p]
-        rows = self.tokens_per_step // n
-        k, rest = divmod(samples - firsts[p], rows)
-        if rest:
-            raise ConfigError(f"{samples:,} samples falls inside step {start + k} (phase {p}, "
-                              f"{rows} rows a step): a checkpoint of this schedule is taken "
-                              "between steps; was it made with other phases or tokens_per_step?")
-        return start + k
+        step, row = self.locate(check_int("samples", samples, minimum=0))
+        if row:
+            s = self.at(step)
+            raise ConfigError(f"{samples:,} samples falls inside step {step} (phase {s.phase}, "
+                              f"{s.batch_size} rows a step): a checkpoint of this schedule is "
+                              "taken between steps; was it made with other phases or "
+                              "tokens_per_step?")
+        return step
+
+    def described(self) -> dict:
+        """The schedule as a state records it (JSON).
+
+        LengthSchedule(((0, 4),), tokens_per_step=16).described()["phases"] == [[0, 4]]
+        """
+        return {"phases": [list(p) for p in self.phases], "tokens_per_step": self.tokens_per_step}
