@@ -16,13 +16,13 @@ TORCHTITAN := torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser=
 
 .PHONY: demo test soak bench clean
 
-$(STAMP): pyproject.toml constraints.txt src/tokenmill/load/fastfill.pyx
+$(STAMP): pyproject.toml constraints.txt src/tokenmill/load/fastfill.pyx src/tokenmill/load/fastpack.pyx
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,fast,torch,jax,grain,ray]'
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps -c constraints.txt $(TORCHTITAN)
 	touch $(STAMP)
 
-$(DEMO_STAMP): pyproject.toml constraints.txt src/tokenmill/load/fastfill.pyx
+$(DEMO_STAMP): pyproject.toml constraints.txt src/tokenmill/load/fastfill.pyx src/tokenmill/load/fastpack.pyx
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e . torch
 	touch $(DEMO_STAMP)

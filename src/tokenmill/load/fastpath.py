@@ -1,9 +1,10 @@
-"""The compiled row filler (``fastfill``, built at install) behind a check of what it is given.
+"""The compiled paths (``fastfill``, ``fastpack``: built at install) behind a check of what they
+are given.
 
 Packed rows and document masks are written by ``fastfill`` in one pass when it is built and the
-arrays fit it (C-contiguous rows of the batch dtypes, a store dtype it reads); otherwise the
-callers take the numpy path, which writes the same bytes. ``TOKENMILL_FASTFILL=0`` turns it off
-(to compare, or to rule it out)::
+arrays fit it (C-contiguous rows of the batch dtypes, a store dtype it reads); a window's pieces
+are placed by ``fastpack``'s best fit. Otherwise the callers take the numpy / Python paths, which
+give the same bytes. ``TOKENMILL_FASTFILL=0`` turns both off (to compare, or to rule them out)::
 
     if not fastpath.packed_rows(layout, ids, dest, out, bounds, shard):
         ...  # the numpy path
@@ -16,12 +17,12 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-try:  # built from fastfill.pyx by the install (optional: no C compiler, no module)
-    from tokenmill.load import fastfill
+try:  # built from fastfill.pyx / fastpack.pyx by the install (optional: no C compiler, none)
+    from tokenmill.load import fastfill, fastpack
 except ImportError:  # pragma: no cover - depends on the install
-    fastfill = None
+    fastfill = fastpack = None
 
-__all__ = ["enabled", "metadata_rows", "packed_rows", "status"]
+__all__ = ["best_fit", "enabled", "metadata_rows", "packed_rows", "status"]
 
 META = ("segment_ids", "positions", "loss_mask")
 ONE_SHARD = np.zeros(1, np.int64)  # the mapped shards of a one-shard store: shard 0
@@ -40,7 +41,14 @@ def status() -> str:
         return "numpy (the compiled row filler was not built: no C compiler at install?)"
     if not ENABLED:
         return "numpy (TOKENMILL_FASTFILL=0)"
-    return "compiled (tokenmill.load.fastfill)"
+    return "compiled (tokenmill.load.fastfill, fastpack)"
+
+
+def best_fit(lengths: np.ndarray, capacity: int, first_row: int) -> np.ndarray | None:
+    """``pack._best_fit``'s rows by the compiled best fit; None when it is off or refuses."""
+    if not ENABLED:
+        return None
+    return fastpack.best_fit(lengths, capacity, first_row)
 
 
 def packed_rows(layout, ids: np.ndarray, dest: slice | np.ndarray, out: Mapping[str, np.ndarray],

@@ -211,6 +211,8 @@ def _best_fit(lengths: np.ndarray, capacity: int, first_row: int) -> np.ndarray:
     n = len(lengths)
     if n == 0:
         return np.empty(0, dtype=np.int64)
+    if (fast := fastpath.best_fit(lengths, capacity, first_row)) is not None:
+        return fast  # compiled: the same rows
     cuts = (np.flatnonzero(lengths[1:] != lengths[:-1]) + 1).tolist()
     sizes, rows = lengths.tolist(), [0] * n
     buckets: dict[int, list[int]] = {}  # room → heap of row ids (not a list per room: a

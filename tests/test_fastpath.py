@@ -1,4 +1,4 @@
-"""The compiled row filler writes the numpy path's bytes: packed rows, document masks, any shard."""
+"""The compiled paths write the reference paths' bytes: packed rows, document masks, best fit."""
 
 import numpy as np
 import pytest
@@ -152,3 +152,25 @@ def test_the_switch_turns_it_off_in_a_new_process():
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={**os.environ, "TOKENMILL_FASTFILL": value}, check=True)
         assert r.stdout.startswith(want), r.stdout
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 5, 65, 2049, 8193])
+def test_best_fit_places_every_item_in_the_rows_of_the_python_path(capacity):
+    from tokenmill.load.pack import _best_fit  # the reference (also the fallback)
+    rng = np.random.default_rng(capacity)
+    for trial in range(150):
+        n = int(rng.integers(0, 300))
+        lengths = [rng.integers(1, capacity + 1, n), rng.integers(1, max(2, capacity // 20), n),
+                   rng.choice([1, max(1, capacity // 3), capacity], n),
+                   np.minimum(capacity, rng.geometric(0.01, n))][trial % 4]
+        lengths = np.sort(lengths)[::-1].astype(np.int64)
+        first = int(rng.integers(0, 1000))
+        compiled = fastpath.best_fit(lengths, capacity, first)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fastpath, "ENABLED", False)
+            assert np.array_equal(compiled, _best_fit(lengths, capacity, first))
+
+
+def test_best_fit_refuses_what_it_cannot_place():
+    assert fastpath.best_fit(np.array([7, 3]), 6, 0) is None  # longer than a row
+    assert fastpath.best_fit(np.array([5, 0]), 6, 0) is None  # empty
