@@ -2,7 +2,7 @@
 """Rows of segments filled in one compiled pass: tokens, segment ids, positions, loss mask.
 
 The numpy path (``pack.fill_packed_rows``, ``segments.fill_metadata``) is the reference and the
-fallback when this module is not built; both write the same bytes (``tests/test_fastfill.py``).
+fallback when this module is not built; both write the same bytes (``tests/test_fastpath.py``).
 A batch row holds segments back to back from column 0: its token c (of seq_len + 1) is
 ``inputs[c]`` for c < seq_len and ``targets[c - 1]`` for c >= 1; after its segments, padding 0.
 Segment j of a row has segment id j + 1, positions 0, 1, … and loss mask 1 except on its last
