@@ -484,6 +484,96 @@ def test_a_resume_after_a_helper_module_changed_only_records_past_the_samples_is
     assert byte_texts(site / "s") == [f"document {i}" for i in range(1200)]
 
 
+STOPPED = """
+import os
+import time
+from pathlib import Path
+
+STOPWORDS = set((Path(__file__).parent / "stopwords.txt").read_text().split())  # a data file
+
+
+def to_text(record):
+    if os.environ.get("SLOW_TRANSFORM"):
+        time.sleep(0.002)
+    return " ".join(w for w in record["text"].split() if w not in STOPWORDS)
+"""
+RULED = """
+import importlib
+import os
+import time
+
+rules = importlib.import_module("zoo_rules")  # by name: no import statement names it
+
+
+def to_text(record):
+    if os.environ.get("SLOW_TRANSFORM"):
+        time.sleep(0.002)
+    return rules.apply(record["text"])
+"""
+
+
+def zoo(site: Path) -> list[str]:
+    """x.jsonl: 1,000 records; the first 40 (the sampled 32 among them) hold none of the words
+    the transforms' data below change, the others do. The records' texts."""
+    texts = [f"r{i} " + ("plain words" if i < 40 else "zebra and the lion") for i in range(1000)]
+    write_records(site / "x.jsonl", [{"text": t} for t in texts])
+    return texts
+
+
+def test_a_resume_after_a_data_file_the_transform_reads_changed_is_refused(site):
+    # the transform's module and its output on the sampled records unchanged; its stopword list
+    # (read at import) edited between a kill -9 and the rerun: before, exit 0 and a store whose
+    # committed documents lack "the" and the rest also "and"
+    texts = zoo(site)
+    (site / "mods" / "stopped.py").write_text(STOPPED)
+    words = site / "mods" / "stopwords.txt"
+    words.write_text("the\n")
+    args = ("prepare", "x.jsonl", "--out", "s", "--transform", "stopped:to_text",
+            "--shard-tokens", 2000, "--workers", 2)
+    kill_after_first_commit(cli(site, *args, env={"SLOW_TRANSFORM": "1"}, wait=False), site / "s")
+    words.write_text("the\nand\n")
+    r = cli(site, *args)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        "tokenmill prepare: error: s: holds an unfinished prepare whose transform stopped:to_text "
+        "made other texts of x.jsonl (work unit 0, committed) than it makes now: the "
+        "transform, or something it loads (a module, a data file), changed since the run was "
+        "interrupted; restore it as it was to finish the run, or pass --overwrite to start over "
+        "with the transform as it is now"]
+    assert not (site / "s" / "manifest.json").exists()
+    r = cli(site, *args, "--overwrite")  # the transform as it is now, everywhere
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines()[0] == (
+        "note: s: the interrupted run's transform stopped:to_text made other texts of x.jsonl "
+        "(work unit 0, committed) than it makes now; starting over (--overwrite)")
+    assert byte_texts(site / "s") == [" ".join(w for w in t.split() if w not in ("the", "and"))
+                                      for t in texts]
+
+
+def test_a_resume_after_a_helper_loaded_by_importlib_changed_is_refused(site):
+    # a helper module loaded by importlib.import_module (no import statement names it, so the
+    # transform's source xxh3 does not cover it), edited for words past the sampled records
+    # between a kill -9 and the rerun: before, exit 0 and a store of both versions
+    texts = zoo(site)
+    (site / "mods" / "ruled.py").write_text(RULED)
+    rules = site / "mods" / "zoo_rules.py"
+    rules.write_text('def apply(text):\n    return text.replace("zebra", "ZEBRA")\n')
+    kill_after_first_commit(script(site, "s", transform="ruled:to_text", wait=False,
+                                   env={"SLOW_TRANSFORM": "1"}), site / "s")
+    rules.write_text('def apply(text):\n    return text.replace("zebra", "Zebra")\n')
+    r = script(site, "s", transform="ruled:to_text")
+    assert r.returncode == 1, r.stderr
+    assert re.search(r"ConfigError: s: holds an unfinished prepare whose transform ruled:to_text "
+                     r"made other texts of .*x\.jsonl \(work unit \d+, committed\) than it makes "
+                     r"now: .*; restore it as it was to finish the run, or pass --overwrite",
+                     r.stderr.strip().splitlines()[-1]), r.stderr
+    assert not (site / "s" / "manifest.json").exists()
+    rules.write_text('def apply(text):\n    return text.replace("zebra", "ZEBRA")\n')
+    r = script(site, "s", transform="ruled:to_text")  # restored: it resumes, one version
+    assert r.returncode == 0, r.stderr
+    assert byte_texts(site / "s") == [t.replace("zebra", "ZEBRA") for t in texts]
+
+
 SECOND_THOUGHTS = """
 from collections import Counter
 

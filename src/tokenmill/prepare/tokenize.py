@@ -117,8 +117,9 @@ class UnitResult:
     first unit), and where each document starts: ``lines`` (int64, in lockstep with ``lengths``;
     of the file, or of the unit when ``records.unit_lines_relative``) and the unit's
     ``newlines`` (``records.LineCount``), which ``readers.LineBases`` turns into file lines;
-    for one side of a split, ``texts``: the ``split.texts_sum`` of every document's text, either
-    side (the two passes must agree)."""
+    with a transform or for one side of a split, ``texts``: the ``split.texts_sum`` of every
+    document's text, either side (the two passes of a split must agree; a resume replays the
+    transform on a few committed units and compares: ``identity.changed_output``)."""
 
     tokens: np.ndarray
     lengths: np.ndarray
@@ -207,11 +208,13 @@ def encode_unit(read: UnitRead, config: PrepareConfig, tok: Tokenizer) -> UnitRe
             lines.append(line)
         else:
             skips.append((len(texts), item))
-    summed = None
+    summed = hashes = None
+    if config.holdout is not None or config.transform is not None:  # what a resume replays
+        hashes = text_hashes(texts)  # (identity.changed_output) and a split accounts for
+        summed = texts_sum(hashes)
     if config.holdout is not None:
-        hashes = text_hashes(texts)
         kept, skips = keep_side(texts, skips, config.holdout, read.path, hashes)
-        texts, lines, summed = [texts[i] for i in kept], [lines[i] for i in kept], texts_sum(hashes)
+        texts, lines = [texts[i] for i in kept], [lines[i] for i in kept]
     tokens, lengths = encode_documents(tok, texts, add_eos=config.add_eos,
                                        add_bos=config.add_bos, dtype=token_dtype(tok.vocab_size))
     return UnitResult(tokens, lengths, skips, sum(map(len, texts)), read.digest,

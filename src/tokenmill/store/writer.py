@@ -294,6 +294,14 @@ class StoreWriter:
             self.skips = SkipLog.from_json(records[kept - 1]["skipped"])
         self.committed_cursor = self.cursor
 
+    def start_over(self) -> None:
+        """Drop every committed shard of this unfinished run and its records: the run starts again
+        from its first unit (what it committed is not what it would make now)."""
+        self.cursor, self.skips = (0, 0), SkipLog()
+        self.input_digests.clear()
+        self.unit_texts.clear()
+        self._resume(lambda record: False)
+
     def _read_key(self) -> dict | None:
         try:
             return json.loads((self.pdir / KEY_FILE).read_text())
