@@ -8,8 +8,8 @@ a ``Skip`` or an ``InputError``.
 
 A file that changes while it is read. A unit carries its file's identity as planned
 (``Unit.ident``: device, inode, size and mtime, for a ``file://`` URL too; another URL's size and
-ETag or time). ``SameInput``
-compares it with the file's before the unit is read and after, and before a reading error is
+ETag or time). ``SameInput`` compares it with the file's before the unit is read and after, and
+before a reading error is
 reported (a file truncated under its reader looks like a malformed last line): a difference is
 an ``InputError`` naming the file, under either policy — never part of one version and part of
 another in one store.
@@ -394,8 +394,9 @@ def id_change(was: FileId | RemoteId, now: FileId | RemoteId) -> str | None:
 
 class SameInput:
     """Reading ``unit`` proves its file is the one planned (``Unit.ident``): compared before the
-    unit is read (a local file, named by a path or a ``file://`` URL: one ``stat``) and after it, or before the error that ended the
-    read escapes (a URL: one request to its server, after); a difference raises ``changed``.
+    unit is read (a local file, named by a path or a ``file://`` URL: one ``stat``) and after
+    it, or before the error that ended the read escapes (a URL: one request to its server,
+    after); a difference raises ``changed``.
 
         with SameInput(unit, storage_options): ...  # read the unit
     """

@@ -36,8 +36,8 @@ __all__ = ["Ignored", "Passed", "distinct", "glob", "hidden_part", "outermost", 
 
 class Passed(list):
     """The files a listing passed over (a list of paths, counted by type; links that lead to no
-    file named apart), with the hidden names it skipped (``hidden``; folders end in "/") and the repeats it dropped (``repeats``:
-    (dropped, kept) pairs)."""
+    file named apart), with the hidden names it skipped (``hidden``; folders end in "/") and the
+    repeats it dropped (``repeats``: (dropped, kept) pairs)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -208,8 +208,8 @@ def glob(pattern: str, passed: Passed) -> list[str]:
     rest, only_dirs = parts[first:], parts[-1] == ""
     rest = rest[:-1] if only_dirs else rest
     found, spelled = [], [p for p in rest if p.startswith(".") and p not in (".", "..")]
-    for d, _, names in walk(base or os.curdir, passed, spelled):  # a folder matches once walk
-        # enters it
+    # a folder matches once walk enters it
+    for d, _, names in walk(base or os.curdir, passed, spelled):
         prefix = os.path.relpath(d, base or os.curdir).split(os.sep)
         prefix = [] if prefix == [os.curdir] else prefix
         if (base or prefix) and _matches(prefix, rest):

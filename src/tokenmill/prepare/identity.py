@@ -44,11 +44,11 @@ cannot see a helper loaded by ``importlib.import_module`` or ``exec``, or a data
 import (a stopword list), edited between a kill and the rerun for records past the first. So
 every unit of a run with a transform records the ``split.texts_sum`` of its documents' texts with
 its shard (``UnitResult.texts``), and a resume replays the transform on REPLAYED_UNITS of the
-committed units (spread over them, the last committed among them) and compares: other texts
-refuse the resume, naming the transform and the file (``--overwrite`` starts the run over) —
-never a store of documents made by two versions of it. A change that touches only records of committed units that are not replayed is
-not seen (replaying every committed unit would cost as much as the transform did); progress
-recorded before this record is not checked.
+committed units (spread over them, the first and the last among them) and compares: other
+texts refuse the resume, naming the transform and the file (``--overwrite`` starts the run over)
+— never a store of documents made by two versions of it. A change that touches only records of
+committed units that are not replayed is not seen (replaying every committed unit would cost as
+much as the transform did); progress recorded before this record is not checked.
 """
 
 from __future__ import annotations

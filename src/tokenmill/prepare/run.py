@@ -151,10 +151,10 @@ def same_transform(writer: StoreWriter, units: list[sources.Unit], config: Prepa
         return
     if not overwrite:
         raise ConfigError(
-            f"{writer.where}: holds an unfinished prepare whose {what}: the transform, or something "
-            "it loads (a module, a data file), changed since the run was interrupted; restore it "
-            "as it was to finish the run, or pass --overwrite to start over with the transform "
-            "as it is now")
+            f"{writer.where}: holds an unfinished prepare whose {what}: the transform, or "
+            "something it loads (a module, a data file), changed since the run was interrupted; "
+            "restore it as it was to finish the run, or pass --overwrite to start over with the "
+            "transform as it is now")
     report(f"note: {writer.where}: the interrupted run's {what}; starting over (--overwrite)",
            progress)
     writer.start_over()
