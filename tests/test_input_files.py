@@ -13,6 +13,7 @@ replaced nor written through. Every such run has a timeout: a hang fails the tes
 import json
 import os
 import re
+import shutil
 import socket
 import stat
 import subprocess
@@ -165,6 +166,37 @@ def test_an_object_replaced_on_s3_while_prepare_reads_it_fails_naming_it(site, s
                         r'being read \(replaced, truncated or rewritten: ETag "\w+" → "\w+"\); '
                         r'run again once it is stable', last), last
     assert not (site / "store" / "manifest.json").exists()
+
+
+def replaced_at_its_time(path: Path) -> None:
+    """`mv new.jsonl x.jsonl` of other text of the very same size and modification time
+    (`touch -r x.jsonl new.jsonl` first): only the inode tells."""
+    new, st = path.with_name("new.jsonl"), os.stat(path)
+    new.write_bytes(records(1200, fill="N"))
+    os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(new, path)
+
+
+def test_an_input_replaced_at_its_own_size_and_time_is_caught_as_a_path_or_a_file_url(site):
+    # before, as a file:// URL: its identity while read was fsspec's size and mtime (a URL's),
+    # blind to the inode: the run went on to its end and only failed there, with another reason
+    path = site / "x.jsonl"
+    for name in (str(path), path.as_uri()):  # one identity, however the file is named
+        path.write_bytes(records(1200))
+        shutil.rmtree(site / "store", ignore_errors=True)
+        for f in ("paused", "go"):
+            (site / f).unlink(missing_ok=True)
+        r = paused_run(site, script(2, name), replaced_at_its_time)
+        assert r.returncode == 1, r.stderr
+        last = r.stderr.strip().splitlines()[-1]
+        assert last == (f"tokenmill.base.errors.InputError: {name}: the file changed while it "
+                        "was being read (replaced, truncated or rewritten: another file was put "
+                        "in its place); run again once it is stable"), name
+        assert not (site / "store" / "manifest.json").exists()
+        units = sources.plan_units([name], SourceConfig(unit_bytes=UNIT))
+        replaced_at_its_time(path)  # after planning, before reading: not a byte is read
+        with pytest.raises(InputError, match=re.escape(f"{name}: {CHANGED[9:]}another file")):
+            next(sources.read_unit(units[0], SourceConfig(unit_bytes=UNIT)))
 
 
 def rewritten(path: Path) -> None:

@@ -42,6 +42,11 @@ def chat(record):
     return "<user> " + record["q"] + " <bot> " + record["a"]
 
 
+def short_dropped(record):
+    """A .txt document of fewer than 40 characters is dropped."""
+    return None if len(record["text"]) < 40 else record["text"]
+
+
 def boom(record):
     if record["q"].endswith("7"):
         raise KeyError("no such field")
@@ -96,14 +101,14 @@ prepare(*json.loads(sys.argv[1]), progress=False, **json.loads(sys.argv[2]))
 """
 
 
-def script(site: Path, out: str, wait=True, env=None, **options):
-    """prepare("x.jsonl", out=out, **options) run by a script file in ``site`` (small units: an
+def script(site: Path, out: str, wait=True, env=None, inputs="x.jsonl", **options):
+    """prepare(inputs, out=out, **options) run by a script file in ``site`` (small units: an
     interrupted run leaves some committed, some not)."""
     (site / "run_prepare.py").write_text(RUN_PREPARE)
     options = {"workers": 2, "unit_bytes": 2000, "shard_tokens": 2000, **options}
     path = os.pathsep.join([str(site / "mods"), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path, **(env or {})}
-    argv = [sys.executable, "run_prepare.py", json.dumps(["x.jsonl"]),
+    argv = [sys.executable, "run_prepare.py", json.dumps([inputs]),
             json.dumps({"out": out, **options})]
     if not wait:
         return subprocess.Popen(argv, cwd=site, env=env, stderr=subprocess.DEVNULL)
@@ -175,6 +180,27 @@ def nested():
     def inner(record):
         return record["q"]
     return inner
+
+
+def test_a_txt_document_a_transform_drops_is_named_by_its_line_whatever_the_unit_size(site):
+    # found by the prepare fuzzer (seed 85): a dropped .txt paragraph was named "document 3 of
+    # bytes 1000…2000", so two unit sizes (or a finished store met with another) gave two
+    # manifests of one corpus
+    paragraphs = [f"paragraph {i}: " + ("a long one, kept by the transform " * (i % 3))
+                  for i in range(80)]
+    (site / "x.txt").write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
+    manifests = []
+    for k, (unit_bytes, workers) in enumerate([(1 << 20, 1), (2000, 2), (700, 3)]):
+        r = script(site, f"s{k}", inputs="x.txt", transform="fmt:short_dropped",
+                   txt_mode="paragraphs", unit_bytes=unit_bytes, workers=workers)
+        assert r.returncode == 0, r.stderr
+        manifests.append((site / f"s{k}" / "manifest.json").read_bytes())
+    assert manifests[1] == manifests[0] and manifests[2] == manifests[0]
+    examples = json.loads(manifests[0])["skipped"]["examples"]
+    dropped = [i for i, p in enumerate(paragraphs) if len(p) < 40]
+    assert [e["where"] for e in examples] == [f"line {2 * i + 1}" for i in dropped[:20]]
+    assert {e["reason"] for e in examples} == {"dropped_by_transform"}
+    assert byte_texts(site / "s2") == [p for p in paragraphs if len(p) >= 40]
 
 
 def test_a_failing_transform_names_file_row_and_transform(site):
@@ -456,6 +482,96 @@ def test_a_resume_after_a_helper_module_changed_only_records_past_the_samples_is
     r = cli(site, *args)
     assert r.returncode == 0, r.stderr
     assert byte_texts(site / "s") == [f"document {i}" for i in range(1200)]
+
+
+STOPPED = """
+import os
+import time
+from pathlib import Path
+
+STOPWORDS = set((Path(__file__).parent / "stopwords.txt").read_text().split())  # a data file
+
+
+def to_text(record):
+    if os.environ.get("SLOW_TRANSFORM"):
+        time.sleep(0.002)
+    return " ".join(w for w in record["text"].split() if w not in STOPWORDS)
+"""
+RULED = """
+import importlib
+import os
+import time
+
+rules = importlib.import_module("zoo_rules")  # by name: no import statement names it
+
+
+def to_text(record):
+    if os.environ.get("SLOW_TRANSFORM"):
+        time.sleep(0.002)
+    return rules.apply(record["text"])
+"""
+
+
+def zoo(site: Path) -> list[str]:
+    """x.jsonl: 1,000 records; the first 40 (the sampled 32 among them) hold none of the words
+    the transforms' data below change, the others do. The records' texts."""
+    texts = [f"r{i} " + ("plain words" if i < 40 else "zebra and the lion") for i in range(1000)]
+    write_records(site / "x.jsonl", [{"text": t} for t in texts])
+    return texts
+
+
+def test_a_resume_after_a_data_file_the_transform_reads_changed_is_refused(site):
+    # the transform's module and its output on the sampled records unchanged; its stopword list
+    # (read at import) edited between a kill -9 and the rerun: before, exit 0 and a store whose
+    # committed documents lack "the" and the rest also "and"
+    texts = zoo(site)
+    (site / "mods" / "stopped.py").write_text(STOPPED)
+    words = site / "mods" / "stopwords.txt"
+    words.write_text("the\n")
+    args = ("prepare", "x.jsonl", "--out", "s", "--transform", "stopped:to_text",
+            "--shard-tokens", 2000, "--workers", 2)
+    kill_after_first_commit(cli(site, *args, env={"SLOW_TRANSFORM": "1"}, wait=False), site / "s")
+    words.write_text("the\nand\n")
+    r = cli(site, *args)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        "tokenmill prepare: error: s: holds an unfinished prepare whose transform stopped:to_text "
+        "made other texts of x.jsonl (work unit 0, committed) than it makes now: the "
+        "transform, or something it loads (a module, a data file), changed since the run was "
+        "interrupted; restore it as it was to finish the run, or pass --overwrite to start over "
+        "with the transform as it is now"]
+    assert not (site / "s" / "manifest.json").exists()
+    r = cli(site, *args, "--overwrite")  # the transform as it is now, everywhere
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines()[0] == (
+        "note: s: the interrupted run's transform stopped:to_text made other texts of x.jsonl "
+        "(work unit 0, committed) than it makes now; starting over (--overwrite)")
+    assert byte_texts(site / "s") == [" ".join(w for w in t.split() if w not in ("the", "and"))
+                                      for t in texts]
+
+
+def test_a_resume_after_a_helper_loaded_by_importlib_changed_is_refused(site):
+    # a helper module loaded by importlib.import_module (no import statement names it, so the
+    # transform's source xxh3 does not cover it), edited for words past the sampled records
+    # between a kill -9 and the rerun: before, exit 0 and a store of both versions
+    texts = zoo(site)
+    (site / "mods" / "ruled.py").write_text(RULED)
+    rules = site / "mods" / "zoo_rules.py"
+    rules.write_text('def apply(text):\n    return text.replace("zebra", "ZEBRA")\n')
+    kill_after_first_commit(script(site, "s", transform="ruled:to_text", wait=False,
+                                   env={"SLOW_TRANSFORM": "1"}), site / "s")
+    rules.write_text('def apply(text):\n    return text.replace("zebra", "Zebra")\n')
+    r = script(site, "s", transform="ruled:to_text")
+    assert r.returncode == 1, r.stderr
+    assert re.search(r"ConfigError: s: holds an unfinished prepare whose transform ruled:to_text "
+                     r"made other texts of .*x\.jsonl \(work unit \d+, committed\) than it makes "
+                     r"now: .*; restore it as it was to finish the run, or pass --overwrite",
+                     r.stderr.strip().splitlines()[-1]), r.stderr
+    assert not (site / "s" / "manifest.json").exists()
+    rules.write_text('def apply(text):\n    return text.replace("zebra", "ZEBRA")\n')
+    r = script(site, "s", transform="ruled:to_text")  # restored: it resumes, one version
+    assert r.returncode == 0, r.stderr
+    assert byte_texts(site / "s") == [t.replace("zebra", "ZEBRA") for t in texts]
 
 
 SECOND_THOUGHTS = """

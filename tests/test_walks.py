@@ -129,3 +129,47 @@ def test_a_file_named_as_a_path_and_as_a_file_url_is_read_once(tmp_path):
     r = run_prepare(tmp_path, url, "--out", "store2", "--tokenizer", "bytes")
     assert r.returncode == 0, r.stderr
     assert byte_texts(tmp_path / "store2") == ["one", "two"]
+
+
+def test_a_glob_that_spells_the_dot_under_double_star_reads_the_hidden_files_it_names(tmp_path):
+    # before: "no file matched (no supported file matches; found only 3 hidden)": ** passed over
+    # every hidden name, even those the pattern asked for
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / ".cache").mkdir()
+    write_jsonl(tmp_path / "d" / ".a.jsonl", ["top"])
+    write_jsonl(tmp_path / "d" / "sub" / ".s.jsonl", ["nested"])
+    write_jsonl(tmp_path / "d" / "sub" / "v.jsonl", ["visible"])
+    write_jsonl(tmp_path / "d" / ".cache" / "x.jsonl", ["cached"])
+    r = run_prepare(tmp_path, "d/**/.*.jsonl", "--out", "dots", "--tokenizer", "bytes")
+    assert r.returncode == 0, r.stderr
+    assert byte_texts(tmp_path / "dots") == ["top", "nested"]
+    assert note(r) == ("note: ignored 1 hidden (names starting with '.', e.g. d/.cache/; name one "
+                       "to read it)")  # .cache/ is no .*.jsonl: passed over, and said
+    r = run_prepare(tmp_path, "d/**/.cache/*.jsonl", "--out", "folder", "--tokenizer", "bytes")
+    assert r.returncode == 0, r.stderr  # a hidden folder the pattern spells is entered
+    assert byte_texts(tmp_path / "folder") == ["cached"]
+
+
+def test_links_that_lead_to_no_file_are_named_as_what_they_are(tmp_path):
+    # before: "ignored 5 files: 4 (no extension), 1 .md (e.g. e/dd, e/l1, e/l2); …; --text-ext
+    # md,'' reads them as plain text": loops counted as files without an extension
+    (tmp_path / "e").mkdir()
+    write_jsonl(tmp_path / "e" / "a.jsonl", ["a"])
+    (tmp_path / "e" / "notes.md").write_text("# notes\n")
+    (tmp_path / "e" / "loop").symlink_to("loop")
+    (tmp_path / "e" / "l1").symlink_to("l2")
+    (tmp_path / "e" / "l2").symlink_to("l1")
+    (tmp_path / "e" / "dd").symlink_to("nowhere")
+    r = run_prepare(tmp_path, "e", "--out", "store", "--tokenizer", "bytes")
+    assert r.returncode == 0, r.stderr
+    assert byte_texts(tmp_path / "store") == ["a"]
+    assert note(r) == (
+        "note: ignored 1 file: 1 .md (e.g. e/notes.md); passed over 4 links that lead to no file: "
+        "e/dd (a dangling link), e/l1 (a link loop), e/l2 (a link loop) and 1 more; prepare "
+        "reads regular files of .txt, .jsonl[.gz|.zst], .json[.gz|.zst], .csv, .tsv, .parquet, "
+        ".arrow; --text-ext md reads them as plain text (text_ext= in Python)")
+    r = run_prepare(tmp_path, "e/l*", "--out", "loops", "--tokenizer", "bytes")
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("tokenmill prepare: error: e/l*: no file matched (no supported "
+                                "file matches; found only 3 link loops); check the path or "
+                                "pattern, or pass --on-error skip")

@@ -49,6 +49,9 @@ FIXED = {
                         tokenizer="bytes", transform=None, val_fraction=None, shard_tokens=3000,
                         unit_bytes=None, bad_records=False, workers=(2, 2), kills=(("end", 0),),
                         change="input same size")),
+    "a .txt paragraph dropped by a transform, a finished store met with another unit size": (
+        # random seed 85: skip examples named a document by its unit's byte range
+        None, draw(85)),
     "every format, --val-fraction, killed three times, the input rewritten in place": (None,
         PrepareScenario(seed=1_000_002, files=tuple((f, 25) for f in (
             "txt", "jsonl", "jsonl.gz", "csv", "json", "parquet")), txt_mode="paragraphs",

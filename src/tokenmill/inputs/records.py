@@ -7,8 +7,9 @@ a ``Skip`` or an ``InputError``.
 ``tokenmill.base.errors`` and ``tokenmill.base.io``.
 
 A file that changes while it is read. A unit carries its file's identity as planned
-(``Unit.ident``: device, inode, size and mtime; a URL's size and ETag or time). ``SameInput``
-compares it with the file's before the unit is read and after, and before a reading error is
+(``Unit.ident``: device, inode, size and mtime, for a ``file://`` URL too; another URL's size and
+ETag or time). ``SameInput`` compares it with the file's before the unit is read and after, and
+before a reading error is
 reported (a file truncated under its reader looks like a malformed last line): a difference is
 an ``InputError`` naming the file, under either policy — never part of one version and part of
 another in one store.
@@ -350,10 +351,11 @@ _VERSION_FIELDS = ("ETag", "etag", "md5Hash", "Content-MD5", "generation", "Vers
 
 
 def input_id(path: str, storage_options: Mapping[str, Any] | None = None) -> FileId | RemoteId:
-    """The identity of an input file now: a local file's ``io.FileId``; a URL's ``RemoteId``,
-    asked of the server (not fsspec's cache). OSError if it cannot be had."""
-    if not is_url(path):
-        return file_id(os.stat(path))
+    """The identity of an input file now: a local file's (a path, or a ``file://`` URL's)
+    ``io.FileId``; another URL's ``RemoteId``, asked of the server (not fsspec's cache). OSError
+    if it cannot be had."""
+    if (local := local_path(path)) is not None:
+        return file_id(os.stat(local))
     fs, p = filesystem(path, storage_options)
     with backend_errors(path):
         fs.invalidate_cache(p)
@@ -392,8 +394,9 @@ def id_change(was: FileId | RemoteId, now: FileId | RemoteId) -> str | None:
 
 class SameInput:
     """Reading ``unit`` proves its file is the one planned (``Unit.ident``): compared before the
-    unit is read (a local file: one ``stat``) and after it, or before the error that ended the
-    read escapes (a URL: one request to its server, after); a difference raises ``changed``.
+    unit is read (a local file, named by a path or a ``file://`` URL: one ``stat``) and after
+    it, or before the error that ended the read escapes (a URL: one request to its server,
+    after); a difference raises ``changed``.
 
         with SameInput(unit, storage_options): ...  # read the unit
     """
@@ -402,7 +405,7 @@ class SameInput:
         self.unit, self.storage_options = unit, storage_options
 
     def __enter__(self) -> SameInput:
-        if not is_url(self.unit.path):
+        if local_path(self.unit.path) is not None:  # a file:// URL is a local file too
             self.check()
         return self
 
@@ -417,7 +420,7 @@ class SameInput:
         try:
             how = id_change(self.unit.ident, input_id(self.unit.path, self.storage_options))
         except FileNotFoundError:
-            if is_url(self.unit.path):
+            if local_path(self.unit.path) is None:
                 return  # fsspec's HTTP also says so when it cannot connect: its reader tells
             how = "removed"
         except (OSError, TokenmillError):

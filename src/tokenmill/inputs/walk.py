@@ -6,18 +6,21 @@ One rule for every listing of local inputs (``sources.list_inputs``: ``prepare``
 - A name starting with "." (``.git/``, ``.env``, ``.ipynb_checkpoints/``) is hidden: a folder walk
   and a glob's ``*`` / ``**`` pass it over, never entering a hidden folder, and the note counts it
   (``Ignored``). A hidden file or folder named explicitly, or by a glob that spells its dot
-  (``d/.*``), is read: the user named it. ``**`` never enters a hidden folder: name it
-  (``d/.cache/**``).
+  (``d/.*``, ``d/**/.*.jsonl``), is read: the user named it. ``**`` never enters a hidden folder
+  unless a part of the pattern spells its dot (``d/**/.cache/*.jsonl``, ``d/.cache/**``).
 - A link to a folder is followed, and every folder is walked once, by its identity
   (st_dev, st_ino); the folders above the root count as walked, so a link loop (``d/loop -> ..``)
   never recurses. Among siblings, folders are walked before links to folders, so a
   ``latest -> v3`` link gives way to ``v3``.
+- A link that leads to no file (a link loop, a link to nowhere) is said as what it is, by name,
+  not counted as a file of some extension (``Ignored.broken``).
 - A file reached twice (two links, two spellings, two arguments, a hard link) is read once: the
   first path in sorted order (``distinct``); the note counts the others with the path kept.
 """
 
 from __future__ import annotations
 
+import errno
 import glob as globlib
 import os
 from collections import Counter
@@ -32,9 +35,9 @@ __all__ = ["Ignored", "Passed", "distinct", "glob", "hidden_part", "outermost", 
 
 
 class Passed(list):
-    """The files a listing passed over (a list of paths, counted by type), with the hidden names
-    it skipped (``hidden``; folders end in "/") and the repeats it dropped (``repeats``:
-    (dropped, kept) pairs)."""
+    """The files a listing passed over (a list of paths, counted by type; links that lead to no
+    file named apart), with the hidden names it skipped (``hidden``; folders end in "/") and the
+    repeats it dropped (``repeats``: (dropped, kept) pairs)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,8 +47,8 @@ class Passed(list):
 
 @dataclass(frozen=True)
 class Ignored:
-    """What a directory walk or a glob passed over: files counted by extension (or kind), hidden
-    names and repeats, each with a few examples.
+    """What a directory walk or a glob passed over: files counted by extension (or kind), links
+    that lead to no file (by name), hidden names and repeats, each with a few examples.
 
     str(Ignored.of(["d/a.md", "d/b.md", "d/c.csv"])) == "ignored 3 files: 2 .md, 1 .csv (e.g. d/a.md, d/b.md, d/c.csv)"
     """
@@ -54,15 +57,19 @@ class Ignored:
     examples: tuple[str, ...] = ()  # the first three paths, sorted
     hidden: tuple[str, ...] = ()  # hidden names passed over, sorted (folders end in "/")
     repeats: tuple[tuple[str, str], ...] = ()  # (dropped, kept), sorted
+    broken: tuple[tuple[str, str], ...] = ()  # (link, what: "a link loop"), sorted
 
     @classmethod
     def of(cls, paths: Sequence[str], hidden: Iterable[str] = (),
            repeats: Iterable[tuple[str, str]] = ()) -> Ignored:
         """The record of these passed-over paths, hidden names and repeats."""
+        broken = {p: what for p in paths if (what := broken_link(p))}
+        paths = [p for p in paths if p not in broken]
         exts = Counter(_label(p) for p in paths)
         return cls(tuple(sorted(exts.items(), key=lambda kv: (-kv[1], kv[0]))),
                    tuple(sorted(paths)[:3]), tuple(sorted(set(hidden))),
-                   tuple(sorted(dict(reversed(list(repeats))).items())))  # one per path dropped
+                   tuple(sorted(dict(reversed(list(repeats))).items())),  # one per path dropped
+                   tuple(sorted(broken.items())))
 
     @property
     def total(self) -> int:
@@ -70,12 +77,14 @@ class Ignored:
         return sum(n for _, n in self.counts)
 
     def __bool__(self) -> bool:
-        return bool(self.counts or self.hidden or self.repeats)
+        return bool(self.counts or self.hidden or self.repeats or self.broken)
 
     def summary(self) -> str:
-        """The counts alone: "2 .md, 1 .csv, 3 hidden"."""
+        """The counts alone: "2 .md, 1 .csv, 3 hidden, 2 link loops"."""
+        kinds = Counter(what.removeprefix("a ") for _, what in self.broken)
         return ", ".join([f"{n} {ext}" for ext, n in self.counts]
-                         + [f"{len(self.hidden)} hidden"] * bool(self.hidden))
+                         + [f"{len(self.hidden)} hidden"] * bool(self.hidden)
+                         + [f"{n} {what}{'s' * (n != 1)}" for what, n in sorted(kinds.items())])
 
     def __str__(self) -> str:
         if not self:
@@ -87,6 +96,11 @@ class Ignored:
         if self.hidden:
             parts.append(f"ignored {len(self.hidden)} hidden (names starting with '.', e.g. "
                          f"{', '.join(self.hidden[:3])}; name one to read it)")
+        if self.broken:
+            k, shown = len(self.broken), ", ".join(f"{p} ({what})" for p, what in self.broken[:3])
+            more = f" and {k - 3} more" if k > 3 else ""
+            parts.append(f"passed over {k} link{'s' * (k != 1)} that lead{'s' * (k == 1)} to no "
+                         f"file: {shown}{more}")
         if self.repeats:
             k, shown = len(self.repeats), "; ".join(f"{a} = {b}" for a, b in self.repeats[:3])
             parts.append(f"dropped {k} repeat{'s' * (k != 1)} (a file or folder reached again by "
@@ -100,6 +114,22 @@ def _label(path: str) -> str:
     kind = special(path) if format_or_none(path) else None  # others were passed for their name
     return kind.removeprefix("a ") if kind else (
         os.path.splitext(path.rstrip("/").rpartition("/")[2])[1].lower() or "(no extension)")
+
+
+def broken_link(path: str) -> str | None:
+    """What a local symbolic link that leads to no file is ("a link loop", "a dangling link");
+    None for anything else (a file, a folder, a link that leads to one, a URL).
+
+    broken_link("/") is None
+    """
+    if is_url(path) or not os.path.islink(path):
+        return None
+    try:
+        os.stat(path)
+    except OSError as e:
+        return "a link loop" if e.errno == errno.ELOOP else \
+            "a dangling link" if e.errno == errno.ENOENT else None
+    return None
 
 
 def special(path: str) -> str | None:
@@ -135,10 +165,16 @@ def _above(root: str) -> dict[tuple[int, int], str]:
     return seen
 
 
-def walk(root: str, passed: Passed) -> Iterator[tuple[str, list[str], list[str]]]:
+def walk(root: str, passed: Passed,
+         spelled: Sequence[str] = ()) -> Iterator[tuple[str, list[str], list[str]]]:
     """os.walk(root) following links to folders, each folder once (a loop never recurses), names
-    sorted (folders before links to folders), hidden ones skipped and added to passed.hidden.
+    sorted (folders before links to folders), hidden ones skipped and added to passed.hidden,
+    but for those that a pattern of ``spelled`` (glob parts that spell a dot) matches.
     A caller may clear the folder list it is given, as with os.walk."""
+    def unasked(name: str) -> bool:
+        """Hidden, and not asked for by a part of the pattern that spells its dot."""
+        return _hidden(name) and not any(fnmatchcase(name, p) for p in spelled)
+
     seen = _above(root)
     for d, dirs, names in os.walk(root, followlinks=True):
         d = os.path.normpath(d)  # root ".": "a/b.jsonl", as glob spells it
@@ -150,16 +186,17 @@ def walk(root: str, passed: Passed) -> Iterator[tuple[str, list[str], list[str]]
             continue
         if key is not None:
             seen[key] = here or os.path.join(os.curdir, "")
-        passed.hidden += [here + n + "/" for n in dirs if _hidden(n)]
-        passed.hidden += [here + n for n in names if _hidden(n)]
-        dirs[:] = sorted((n for n in dirs if not _hidden(n)),
+        passed.hidden += [here + n + "/" for n in dirs if unasked(n)]
+        passed.hidden += [here + n for n in names if unasked(n)]
+        dirs[:] = sorted((n for n in dirs if not unasked(n)),
                          key=lambda n: (os.path.islink(here + n), n))
-        yield d, dirs, sorted(n for n in names if not _hidden(n))
+        yield d, dirs, sorted(n for n in names if not unasked(n))
 
 
 def glob(pattern: str, passed: Passed) -> list[str]:
     """The local paths a glob matches, sorted; hidden names are skipped (added to passed.hidden)
-    unless the pattern spells their dot; ``**`` goes through ``walk`` (a loop never recurses)."""
+    unless the pattern spells their dot (``d/**/.*.jsonl`` too); ``**`` goes through ``walk`` (a
+    loop never recurses)."""
     if "**" not in pattern:
         shown = globlib.glob(pattern)
         hidden = set(globlib.glob(pattern, include_hidden=True)) - set(shown)
@@ -170,8 +207,9 @@ def glob(pattern: str, passed: Passed) -> list[str]:
     base = os.sep.join(parts[:first]) or (os.sep if pattern.startswith(os.sep) else "")
     rest, only_dirs = parts[first:], parts[-1] == ""
     rest = rest[:-1] if only_dirs else rest
-    found = []
-    for d, _, names in walk(base or os.curdir, passed):  # a folder matches once walk enters it
+    found, spelled = [], [p for p in rest if p.startswith(".") and p not in (".", "..")]
+    # a folder matches once walk enters it
+    for d, _, names in walk(base or os.curdir, passed, spelled):
         prefix = os.path.relpath(d, base or os.curdir).split(os.sep)
         prefix = [] if prefix == [os.curdir] else prefix
         if (base or prefix) and _matches(prefix, rest):

@@ -36,6 +36,19 @@ size.
     ids = input_ids(files, storage_options)                                # a run starts
     manifest[INPUT_IDS] = finished_ids(ids, names, units, digests, so)     # it ends
     check_unchanged(manifest, files, storage_options, where)               # a rerun: raises
+    changed_output(units, writer.unit_texts, config, so)                   # a resume: None?
+
+A transform's outputs on resume. A transform is known by its name, its module's source and what
+it makes of the first records (``transform.transform_identity``, part of the settings); that
+cannot see a helper loaded by ``importlib.import_module`` or ``exec``, or a data file read at
+import (a stopword list), edited between a kill and the rerun for records past the first. So
+every unit of a run with a transform records the ``split.texts_sum`` of its documents' texts with
+its shard (``UnitResult.texts``), and a resume replays the transform on REPLAYED_UNITS of the
+committed units (spread over them, the first and the last among them) and compares: other
+texts refuse the resume, naming the transform and the file (``--overwrite`` starts the run over)
+— never a store of documents made by two versions of it. A change that touches only records of
+committed units that are not replayed is not seen (replaying every committed unit would cost as
+much as the transform did); progress recorded before this record is not checked.
 """
 
 from __future__ import annotations
@@ -46,14 +59,16 @@ from typing import Mapping, Sequence
 from tokenmill.inputs import sources
 from tokenmill.base.errors import ConfigError, TokenmillError
 from tokenmill.base.io import redact, xxh3_file
-from tokenmill.prepare.tokenize import input_name, unit_digest
-from tokenmill.inputs.records import RemoteId, changed, id_change, input_id, local_path
+from tokenmill.prepare.split import text_hashes, texts_sum
+from tokenmill.prepare.tokenize import PrepareConfig, input_name, read_unit_items, unit_digest
+from tokenmill.inputs.records import Doc, RemoteId, changed, id_change, input_id, local_path
 from tokenmill.store.format import INPUT_IDS, SOURCES
 
 STAT_FIELDS = ("ino", "size", "mtime_ns", "ctime_ns")
 # what some backends report that says when an object was written, not which content it holds
 TIME_FIELDS = ("LastModified", "Last-Modified", "last_modified", "updated", "mtime")
 SHOWN = 3  # changed, added or removed files a refusal names before "and N more"
+REPLAYED_UNITS = 4  # committed units a resume with a transform replays (each ~unit_bytes of input)
 
 
 def input_ids(files: Sequence[str], storage_options: Mapping | None) -> list[dict | None]:
@@ -229,3 +244,35 @@ def remote_change(url: str, old: dict, storage_options: Mapping | None) -> str |
         return None
     fields = " and ".join(k for k, _ in old.get("tag") or ())
     return f"same size{' and ' + fields if fields else ''}, other bytes"
+
+
+def changed_output(units: Sequence[sources.Unit], committed: Mapping[int, str],
+                   config: PrepareConfig, storage_options: Mapping | None) -> str | None:
+    """How ``config``'s transform, replayed on a few units an interrupted run committed
+    (``replayed``), makes other texts of them than it made then, in words; None if it makes the
+    same (``committed``: unit → ``split.texts_sum`` of its documents' texts, from the progress
+    records), or there is no transform."""
+    if config.transform is None:
+        return None
+    for u in replayed(units, committed):
+        read = read_unit_items(units[u], config, storage_options)
+        texts = [item.text for item in read.items if type(item) is Doc]
+        if texts_sum(text_hashes(texts)) != committed[u]:
+            return (f"transform {config.transform} made other texts of "
+                    f"{redact(units[u].path)} (work unit {u}, committed) than it makes now")
+    return None
+
+
+def replayed(units: Sequence[sources.Unit], committed: Mapping[int, str]) -> list[int]:
+    """Up to REPLAYED_UNITS of the committed units, spread evenly, the first and the last among
+    them; a compressed stream's unit only if it starts its file (the others would decompress
+    the file from its start).
+
+    replayed([sources.Unit("a.txt", 0, -1)] * 9, dict.fromkeys(range(9), "")) == [0, 2, 5, 8]
+    """
+    kept = [u for u in sorted(committed) if u < len(units)
+            and (not sources.needs_payload(units[u]) or units[u].start == 0)]
+    if len(kept) <= REPLAYED_UNITS:
+        return kept
+    step = len(kept) - 1
+    return sorted({kept[step * i // (REPLAYED_UNITS - 1)] for i in range(REPLAYED_UNITS)})

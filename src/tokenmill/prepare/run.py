@@ -36,7 +36,7 @@ from tokenmill.inputs import readers, sources, tabular
 from tokenmill.base.errors import ConfigError
 from tokenmill.inputs.textfields import check_joinable, ignored_note
 from tokenmill.base.io import file_size, is_url, redact
-from tokenmill.prepare.identity import check_unchanged, finished_ids, input_ids
+from tokenmill.prepare.identity import changed_output, check_unchanged, finished_ids, input_ids
 from tokenmill.prepare.pool import ReadAhead, UnitPool, ordered_results
 from tokenmill.prepare.split import texts_record
 from tokenmill.prepare.tokenize import (PrepareConfig, UnitResult, engine_option, engine_record,
@@ -115,10 +115,11 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
                                                                          storage_options, where))
     if writer.manifest is not None:
         return already_complete(writer, progress)
-    if writer.cursor == (0, 0) and not writer.shards:
-        for s in list_skips:
-            writer.skips.add(s)
     try:
+        same_transform(writer, planned(), config, storage_options, overwrite, progress)
+        if writer.cursor == (0, 0) and not writer.shards:
+            for s in list_skips:
+                writer.skips.add(s)
         run = Run(config, writer, tok, files, sizes, settings, storage_options, progress,
                   planned(), inputs_record(files, planned(), storage_options, ids))
         if getattr(tok, "source", None):
@@ -139,6 +140,24 @@ def already_complete(writer: StoreWriter, progress: bool | None) -> dict:
     report(f"{writer.where}: already complete ({done['num_documents']:,} documents, "
            f"{done['num_tokens']:,} tokens)", progress)
     return done
+
+
+def same_transform(writer: StoreWriter, units: list[sources.Unit], config: PrepareConfig,
+                   storage_options, overwrite: bool, progress: bool | None) -> None:
+    """Refuse to resume a run whose transform now makes other texts of committed units
+    (``identity.changed_output``); under ``overwrite``, start it over."""
+    what = changed_output(units, writer.unit_texts, config, storage_options)
+    if what is None:
+        return
+    if not overwrite:
+        raise ConfigError(
+            f"{writer.where}: holds an unfinished prepare whose {what}: the transform, or "
+            "something it loads (a module, a data file), changed since the run was interrupted; "
+            "restore it as it was to finish the run, or pass --overwrite to start over with the "
+            "transform as it is now")
+    report(f"note: {writer.where}: the interrupted run's {what}; starting over (--overwrite)",
+           progress)
+    writer.start_over()
 
 
 def input_check(units: Callable[[], list[sources.Unit]], storage_options,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Mapping, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import xxhash
@@ -31,7 +31,8 @@ from tokenmill.prepare.split import check_holdout, keep_side, text_hashes, texts
 from tokenmill.inputs.textfields import text_extensions, text_keys
 from tokenmill.prepare.transform import (sample_records, transform_identity, transform_spec,
                                          transformed)
-from tokenmill.inputs.records import Doc, LineCount, local_path, unit_format
+from tokenmill.inputs.readers import lines_before
+from tokenmill.inputs.records import Doc, LineCount, local_path, unit_format, unit_lines_relative
 from tokenmill.tokenizer import Tokenizer, encode_documents, load_tokenizer, token_dtype
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB uint16 shards
@@ -116,8 +117,9 @@ class UnitResult:
     first unit), and where each document starts: ``lines`` (int64, in lockstep with ``lengths``;
     of the file, or of the unit when ``records.unit_lines_relative``) and the unit's
     ``newlines`` (``records.LineCount``), which ``readers.LineBases`` turns into file lines;
-    for one side of a split, ``texts``: the ``split.texts_sum`` of every document's text, either
-    side (the two passes must agree)."""
+    with a transform or for one side of a split, ``texts``: the ``split.texts_sum`` of every
+    document's text, either side (the two passes of a split must agree; a resume replays the
+    transform on a few committed units and compares: ``identity.changed_output``)."""
 
     tokens: np.ndarray
     lengths: np.ndarray
@@ -189,7 +191,7 @@ def read_unit_items(unit: sources.Unit, config: PrepareConfig,
     items = sources.read_unit(unit, config.source_config(storage_options), payload, count)
     if config.transform is not None:  # per document: transform → holdout → encode (C2)
         items = transformed(items, config.transform, unit.path, config.on_error,
-                            functools.partial(txt_place, unit))
+                            txt_places(unit, config.txt_mode, storage_options))
     items = list(items)  # read to the end: the count is complete
     return UnitRead(items, digest, count.newlines, unit.path)
 
@@ -206,21 +208,30 @@ def encode_unit(read: UnitRead, config: PrepareConfig, tok: Tokenizer) -> UnitRe
             lines.append(line)
         else:
             skips.append((len(texts), item))
-    summed = None
+    summed = hashes = None
+    if config.holdout is not None or config.transform is not None:  # what a resume replays
+        hashes = text_hashes(texts)  # (identity.changed_output) and a split accounts for
+        summed = texts_sum(hashes)
     if config.holdout is not None:
-        hashes = text_hashes(texts)
         kept, skips = keep_side(texts, skips, config.holdout, read.path, hashes)
-        texts, lines, summed = [texts[i] for i in kept], [lines[i] for i in kept], texts_sum(hashes)
+        texts, lines = [texts[i] for i in kept], [lines[i] for i in kept]
     tokens, lengths = encode_documents(tok, texts, add_eos=config.add_eos,
                                        add_bos=config.add_bos, dtype=token_dtype(tok.vocab_size))
     return UnitResult(tokens, lengths, skips, sum(map(len, texts)), read.digest,
                       np.array(lines, dtype=np.int64), read.newlines, summed)
 
 
-def txt_place(unit: sources.Unit, k: int) -> str:
-    """Where the k-th document of a .txt unit is, for a transform's message (no line at hand)."""
-    return "file" if unit.stop == -1 and unit.start == 0 and k == 0 else \
-        f"document {k + 1} of bytes {unit.start}…{unit.stop}"
+def txt_places(unit: sources.Unit, txt_mode: str,
+               storage_options: Mapping | None = None) -> Callable[[Doc], str]:
+    """``place(doc)``: where a document of a .txt unit is, for a transform's skip or message:
+    "file" (file mode), else "line N" of its file — the same for any unit size, so a manifest's
+    skip examples do not depend on it (the lines before a unit past byte 0 are counted once, the
+    first time a place is asked for: ``readers.lines_before``)."""
+    if txt_mode == "file":
+        return lambda doc: "file"
+    base = functools.cache(lambda: lines_before(unit, storage_options)
+                           if unit_lines_relative(unit) else 0)
+    return lambda doc: f"line {base() + doc.line}"
 
 
 def unit_digest(unit: sources.Unit, storage_options: Mapping | None = None) -> str | None:

@@ -280,19 +280,20 @@ def _short(value: object) -> str:
 
 
 def transformed(items, spec: str, path: str, on_error: str,
-                place: Callable[[int], str]) -> Iterator[Doc | Skip]:
+                place: Callable[[Doc], str]) -> Iterator[Doc | Skip]:
     """``items`` (Records, .txt Docs, Skips) → Docs and Skips, through the transform ``spec``;
     a Doc keeps its record's line.
 
-    ``place(k)``: where the k-th item is, for a plain text (a .txt document) that carries none.
+    ``place(doc)``: where a plain text (a .txt document, which carries no place) is, as a Skip
+    names it ("line 12", "file"): of its file, never of its unit.
     """
     fn = load_transform(spec)
-    for k, item in enumerate(items):
+    for item in items:
         if isinstance(item, Skip):
             yield item
             continue
         record, where = (item.fields, item.place) if isinstance(item, Record) else \
-            ({"text": item.text}, functools.partial(place, k))
+            ({"text": item.text}, functools.partial(place, item))
         try:
             text = fn(record)
             if text is not None and not isinstance(text, str):

@@ -294,6 +294,15 @@ class StoreWriter:
             self.skips = SkipLog.from_json(records[kept - 1]["skipped"])
         self.committed_cursor = self.cursor
 
+    def start_over(self) -> None:
+        """Drop every committed shard of this unfinished run and its records: the run starts again
+        from its first unit (what it committed is not what it would make now)."""
+        self.cursor, self.skips = (0, 0), SkipLog()
+        self.input_digests.clear()
+        self.unit_texts.clear()
+        self._remove_staged()  # Ray's: made as the committed ones were
+        self._resume(lambda record: False)
+
     def _read_key(self) -> dict | None:
         try:
             return json.loads((self.pdir / KEY_FILE).read_text())
@@ -334,15 +343,21 @@ class StoreWriter:
                 if pattern.fullmatch(p.name):
                     p.unlink(missing_ok=True)
 
-    def _clear_progress(self) -> None:
-        """Remove ``.progress`` (only the files we write there), e.g. once the manifest is in."""
-        if not self.pdir.is_dir():
-            return
+    def _remove_staged(self) -> Path:
+        """Remove the units Ray's engine staged (``.progress/units``, only files of ours); that
+        folder."""
         units = self.pdir / "units"
         for p in units.iterdir() if units.is_dir() else ():
             if re.fullmatch(r"unit-\d{7,}\.(?:bin|json)(?:\.tmp-\d+-[0-9a-f]+)?|"
                             r"\.unit-\d{7,}\.(?:bin|json)\.tmp-\d+-[0-9a-f]+", p.name):
                 p.unlink(missing_ok=True)
+        return units
+
+    def _clear_progress(self) -> None:
+        """Remove ``.progress`` (only the files we write there), e.g. once the manifest is in."""
+        if not self.pdir.is_dir():
+            return
+        units = self._remove_staged()
         for p in self.pdir.iterdir():
             if p.name == KEY_FILE or RECORD.fullmatch(p.name) or PROGRESS_TEMP.fullmatch(p.name):
                 p.unlink(missing_ok=True)
