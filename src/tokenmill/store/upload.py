@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from tokenmill.base.errors import ConcurrentWriterError, StoreError
 from tokenmill.base.io import CHUNK, filesystem, json_bytes, list_sizes, read_bytes, redact
+from tokenmill.base.procs import running
 from tokenmill.store.cache import default_cache_dir, url_key
 from tokenmill.store.format import MANIFEST, SHARD_FILE
 
@@ -207,13 +208,7 @@ class Lease:
         """A lease taken on this machine by a process that is gone (killed: never released)."""
         if held.get("host") != self.me["host"] or not isinstance(held.get("pid"), int):
             return False
-        try:
-            os.kill(held["pid"], 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # alive, another user's
-            return False
-        return False
+        return not running(held["pid"])
 
     def read(self) -> dict | None:
         """The lease in the bucket, if any."""
