@@ -74,7 +74,8 @@ def write_sparse_store(out: Path, shard_lengths: list) -> Path:
     (no blocks written) and checksums placeholders: open it with verify="off"."""
     import numpy as np
 
-    from tokenmill.store import ShardInfo, atomic_write_json, build_manifest, idx_bytes, shard_name
+    from tokenmill.base.io import atomic_write_json
+    from tokenmill.store import ShardInfo, build_manifest, idx_bytes, shard_name
     out.mkdir(parents=True)
     infos = []
     for i, lengths in enumerate(shard_lengths):
@@ -94,7 +95,8 @@ def write_token_store(path: Path, tokens, lengths, *, shard_tokens: int = 1 << 3
     """A store (int32) of ``tokens`` cut into documents of ``lengths``, shards of about
     ``shard_tokens`` tokens."""
     import numpy as np
-    from tokenmill.store import ShardWriter, atomic_write_json, build_manifest
+    from tokenmill.base.io import atomic_write_json
+    from tokenmill.store import ShardWriter, build_manifest
     path.mkdir(parents=True, exist_ok=True)
     lengths = np.asarray(lengths, dtype=np.int64)
     tokens = np.asarray(tokens, dtype=np.int32)

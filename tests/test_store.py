@@ -15,8 +15,9 @@ import xxhash
 
 import tokenmill
 from tokenmill.base.errors import ConfigError, StoreError
-from tokenmill.store import (ShardInfo, ShardWriter, TokenStore, atomic_write_json, build_manifest,
-                             idx_bytes, manifest_checksum, read_idx, shard_name, verify_store)
+from tokenmill.base.io import atomic_write_json
+from tokenmill.store import (ShardInfo, ShardWriter, TokenStore, build_manifest, idx_bytes,
+                             manifest_checksum, read_idx, shard_name, verify_store)
 
 
 def write_store(path, docs, *, dtype=np.uint16, shard_tokens=50):

@@ -422,11 +422,6 @@ class HFTokenizer:
         return token_id
 
     @property
-    def fallback_reason(self) -> str | None:
-        """Why faster engines were refused, in one line; None if the fastest one runs."""
-        return "; ".join(self.engine_notes) or None
-
-    @property
     def tiktoken_encoding(self):
         """The equivalent tiktoken ``Encoding`` when tiktoken runs with ids = ranks, else None."""
         e = self._engine
