@@ -41,6 +41,17 @@ def write_jsonl(path: Path, texts) -> Path:
     return path
 
 
+def stdlib_lines_store(tmp: Path, modules=("textwrap.py", "shlex.py", "glob.py")) -> str:
+    """A store at ``tmp/store`` of the non-blank lines of standard-library modules, one document
+    each (bytes tokenizer); its path."""
+    import tokenmill
+    lines = [line for name in modules
+             for line in (STDLIB / name).read_text(encoding="utf-8").splitlines() if line.strip()]
+    tokenmill.prepare(str(write_jsonl(tmp / "p.jsonl", lines)), out=str(tmp / "store"),
+                      tokenizer="bytes", workers=1)
+    return str(tmp / "store")
+
+
 def store_bytes(path: Path) -> dict[str, bytes]:
     """Every file of a store (hidden ones too), by name: equal dicts mean byte-identical stores."""
     return {p.name: p.read_bytes() for p in sorted(Path(path).iterdir()) if p.is_file()}

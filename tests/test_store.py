@@ -215,7 +215,7 @@ def write_many_shard_store(path: Path, shards: int) -> Path:
     return path
 
 
-READ_MANY_SHARDS = '''
+AUDITED = '''
 import json, os, random, sys, time
 
 def fds():
@@ -226,7 +226,10 @@ def hook(event, args):
     if event == "open" and isinstance(args[0], str) and args[0].startswith(sys.argv[1]):
         opened.append(os.path.basename(args[0]))
 sys.addaudithook(hook)
+'''  # the start of both programs: descriptors counted, the store's files opened listed
 
+
+READ_MANY_SHARDS = AUDITED + '''
 from tokenmill.store import TokenStore
 before = fds()
 start = time.perf_counter()
@@ -248,18 +251,7 @@ print(json.dumps(dict(before=before, open_s=open_s, after_open=after_open, peak=
 '''
 
 
-LOAD_MANY_SHARDS = '''
-import json, os, sys, time
-
-def fds():
-    return len(os.listdir("/proc/self/fd"))
-
-opened = []  # files of the store this process opens (an audit hook sees every open())
-def hook(event, args):
-    if event == "open" and isinstance(args[0], str) and args[0].startswith(sys.argv[1]):
-        opened.append(os.path.basename(args[0]))
-sys.addaudithook(hook)
-
+LOAD_MANY_SHARDS = AUDITED + '''
 import numpy as np
 from tokenmill import Loader
 before = fds()
