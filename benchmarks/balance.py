@@ -27,7 +27,6 @@ off interleaved ``--rounds`` times ``--batches`` steps each; the medians.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import numpy as np
@@ -36,6 +35,8 @@ from tokenmill import Loader
 from tokenmill.load.balance import balance_rows, full_row_bound, imbalance, rank_costs, row_costs, \
     row_segments
 from tokenmill.load.cpsplit import causal_pairs, cp_pairs
+
+from cpu_per_batch import interleaved_cpu_us  # benchmarks/: the interleaved CPU clock
 
 
 def real_rows(store: str, seq_len: int, rows: int) -> list[np.ndarray]:
@@ -124,18 +125,7 @@ def cpu_per_batch(store: str, args, per: int) -> dict[str, float]:
     steps: together they read the same rows either way), balance off and on, interleaved."""
     its = {name: [iter(ld) for ld in ranks(store, args, per, bal)] for name, bal in
            (("off", None), ("on", "attention"))}
-    for group in its.values():
-        for it in group:
-            next(it)
-    took = {name: [] for name in its}
-    for _ in range(args.rounds):
-        for name, group in its.items():
-            t0 = time.thread_time()
-            for _ in range(args.batches):
-                for it in group:
-                    next(it)
-            took[name].append((time.thread_time() - t0) / (args.batches * len(group)) * 1e6)
-    return {name: statistics.median(v) for name, v in took.items()}
+    return interleaved_cpu_us(its, rounds=args.rounds, batches=args.batches)
 
 
 def loader_mode(args, pers: list[int]) -> None:

@@ -35,7 +35,8 @@ def file_xxh3(path: Path) -> str:
 
 def make_store(out: Path, *, tokens: int, shards: int, doc_tokens: int) -> Path:
     """A valid store of ``tokens`` zeros (sparse files) in ``shards`` shards; reused if made."""
-    from tokenmill.store import ShardInfo, atomic_write_json, build_manifest, idx_bytes, shard_name
+    from tokenmill.base.io import atomic_write_json
+    from tokenmill.store import ShardInfo, build_manifest, idx_bytes, shard_name
     if (out / "manifest.json").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from faults.conftest import ScenarioFailed  # noqa: E402
+import fuzzing  # noqa: E402
 from faults.resume_runner import check  # noqa: E402
 from faults.resume_scenarios import World, build_world, draw  # noqa: E402
 from tokenmill.store import read_manifest  # noqa: E402
@@ -61,16 +61,11 @@ def replay_command(args, seed: int) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scenarios", type=int, default=1000)
-    ap.add_argument("--seed", type=int, default=0, help="the first scenario's seed")
+    fuzzing.add_arguments(ap, scenarios=1000)
     ap.add_argument("--store", action="append", default=[], help="a store of yours (repeat)")
     ap.add_argument("--text", action="append", default=[], help="a text folder to stream (repeat)")
     ap.add_argument("--seq-len", type=int, action="append", help="seq_lens to draw from")
     ap.add_argument("--kill9", action="store_true", help="one leg a script killed with SIGKILL")
-    ap.add_argument("--work", type=Path, help="scratch folder (default: a temporary one)")
-    ap.add_argument("--json", type=Path, help="write the figures here")
-    ap.add_argument("--known", action="store_true",
-                    help="replay the fixed scenarios of the open bugs (KNOWN_FAILURES) instead")
     args = ap.parse_args(argv)
     if args.known:
         return replay_known(args)
@@ -80,45 +75,19 @@ def main(argv=None) -> int:
             world = own_world(args.store, args.text, args.seq_len or [128, 512], work)
         else:
             world = build_world(work / "world")
-        failures, figures, t0 = 0, {}, time.monotonic()
-        for seed in range(args.seed, args.seed + args.scenarios):
-            try:
-                got = check(draw(seed, world, kill9=args.kill9), world, work,
-                            replay=replay_command(args, seed))
-            except ScenarioFailed as e:
-                failures += 1
-                print(e, flush=True)
-                continue
-            for k, v in got.items():
-                figures[k] = figures.get(k, 0) + v
-            if (seed - args.seed + 1) % 100 == 0:
-                print(f"{seed - args.seed + 1} scenarios, {failures} failed, "
-                      f"{time.monotonic() - t0:.0f} s", flush=True)
-    summary = {"scenarios": args.scenarios, "first_seed": args.seed, "failed": failures,
-               "seconds": round(time.monotonic() - t0, 1), **figures}
-    print(json.dumps(summary))
-    if args.json:
-        args.json.write_text(json.dumps(summary, indent=1) + "\n")
-    return min(failures, 100)
+        return fuzzing.run_seeds(args, lambda seed: check(
+            draw(seed, world, kill9=args.kill9), world, work, replay=replay_command(args, seed)),
+            every=100, t0=time.monotonic())
 
 
 def replay_known(args) -> int:
     """Run the fixed scenarios of the failures still open; the number that fail."""
     from faults.resume_scenarios import KNOWN_FAILURES
     from faults.test_resume_fuzz import FIXED
-    failed = 0
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         world = build_world(Path(tmp) / "world")
-        for name, (known, scn) in FIXED.items():
-            if known not in KNOWN_FAILURES:
-                continue
-            try:
-                check(scn, world, Path(tmp), replay="python benchmarks/fuzz_resume.py --known")
-                print(f"passes now: {name} ({known}): remove it from KNOWN_FAILURES", flush=True)
-            except ScenarioFailed as e:
-                failed += 1
-                print(f"still fails: {name}: {e}", flush=True)
-    return failed
+        return fuzzing.replay_known(FIXED, KNOWN_FAILURES, lambda scn: check(
+            scn, world, Path(tmp), replay="python benchmarks/fuzz_resume.py --known"))
 
 
 if __name__ == "__main__":

@@ -274,7 +274,7 @@ class Feed(NamedTuple):
     close: Callable[[], None]
 
 
-def naive_batches(loader, device: str) -> Iterator[dict]:
+def synchronous_batches(loader, device: str) -> Iterator[dict]:
     """The baseline: each batch's arrays → ``torch.from_numpy(a).to(device)``, synchronous."""
     import torch
     for arrays in loader:
@@ -291,7 +291,7 @@ def open_feeds(store: str, setup: Setup, layout: str) -> dict[str, Feed]:
                       seed=0, dtype="int64")  # int64: what cross_entropy's targets take
 
     plain = loader()
-    naive = naive_batches(plain, setup.device)
+    naive = synchronous_batches(plain, setup.device)
     wrapped = to_torch(loader(), device=setup.device)
 
     def close_naive():

@@ -45,7 +45,8 @@ def vm(key: str) -> int:
 
 def make_store(out: Path, *, docs: int, shards: int, seed: int = 0) -> Path:
     """A valid store of ``docs`` sparse documents (lognormal lengths) in ``shards`` shards."""
-    from tokenmill.store import ShardInfo, atomic_write_json, build_manifest, idx_bytes, shard_name
+    from tokenmill.base.io import atomic_write_json
+    from tokenmill.store import ShardInfo, build_manifest, idx_bytes, shard_name
     if (out / "manifest.json").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,17 @@ def write_jsonl(path: Path, texts) -> Path:
     return path
 
 
+def stdlib_lines_store(tmp: Path, modules=("textwrap.py", "shlex.py", "glob.py")) -> str:
+    """A store at ``tmp/store`` of the non-blank lines of standard-library modules, one document
+    each (bytes tokenizer); its path."""
+    import tokenmill
+    lines = [line for name in modules
+             for line in (STDLIB / name).read_text(encoding="utf-8").splitlines() if line.strip()]
+    tokenmill.prepare(str(write_jsonl(tmp / "p.jsonl", lines)), out=str(tmp / "store"),
+                      tokenizer="bytes", workers=1)
+    return str(tmp / "store")
+
+
 def store_bytes(path: Path) -> dict[str, bytes]:
     """Every file of a store (hidden ones too), by name: equal dicts mean byte-identical stores."""
     return {p.name: p.read_bytes() for p in sorted(Path(path).iterdir()) if p.is_file()}
@@ -74,7 +85,8 @@ def write_sparse_store(out: Path, shard_lengths: list) -> Path:
     (no blocks written) and checksums placeholders: open it with verify="off"."""
     import numpy as np
 
-    from tokenmill.store import ShardInfo, atomic_write_json, build_manifest, idx_bytes, shard_name
+    from tokenmill.base.io import atomic_write_json
+    from tokenmill.store import ShardInfo, build_manifest, idx_bytes, shard_name
     out.mkdir(parents=True)
     infos = []
     for i, lengths in enumerate(shard_lengths):
@@ -94,7 +106,8 @@ def write_token_store(path: Path, tokens, lengths, *, shard_tokens: int = 1 << 3
     """A store (int32) of ``tokens`` cut into documents of ``lengths``, shards of about
     ``shard_tokens`` tokens."""
     import numpy as np
-    from tokenmill.store import ShardWriter, atomic_write_json, build_manifest
+    from tokenmill.base.io import atomic_write_json
+    from tokenmill.store import ShardWriter, build_manifest
     path.mkdir(parents=True, exist_ok=True)
     lengths = np.asarray(lengths, dtype=np.int64)
     tokens = np.asarray(tokens, dtype=np.int32)

@@ -203,7 +203,6 @@ def mask_forms(batch, slots):
         varlen_args,
     )
     seg = torch.from_numpy(batch["segment_ids"])
-    B = seg.shape[0]
     dense = dense_document_mask(batch)
     cu, max_seqlen = varlen_args({"segment_ids": seg}, pad_to=slots)
     assert cu.dtype == torch.int32 and len(cu) == slots

@@ -2,7 +2,7 @@
 
 import json
 
-from tokenmill.demo import format_table, run_demo, stdlib_documents
+from tokenmill.demo import comparison_table, run_demo, stdlib_documents
 from tokenmill.store import verify_store
 
 
@@ -18,7 +18,8 @@ def test_demo_quick_end_to_end(tmp_path, capsys):
         losses = [loss for _, loss in run["losses"]]
         assert losses[0] < 8.0  # ~ln(1024) = 6.9 at init: the model starts sane
     # the table is built from the same figures
-    assert f"{result['after']['tokens_per_s']:,.0f}" in format_table(result["before"], result["after"])
+    assert f"{result['after']['tokens_per_s']:,.0f}" in comparison_table(result["before"],
+                                                                           result["after"])
 
 
 def test_stdlib_documents_are_real_and_deterministic():
@@ -35,7 +36,7 @@ def test_the_headline_says_the_naive_loaders_cost_is_cpu_taken_from_the_model():
               "steps": 10, "verdict": "data-bound (mild)", "step_p50_ms": 212.4}
     after = {**before, "tokens_per_s": 2180.0, "data_wait_pct": 0.2, "step_p50_ms": 101.0,
              "verdict": "compute-bound (excellent)"}
-    table = format_table(before, after)
+    table = comparison_table(before, after)
     assert "tokenmill trains 2.18x more tokens per second" in table
     assert table.endswith("  why: the naive loader tokenizes on the cores the model trains on, so "
                           "its cost is not only the 7.1% data wait but the CPU taken from the "

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import STDLIB, write_jsonl
+from conftest import stdlib_lines_store
 import tokenmill
 from tokenmill.base.errors import ConfigError
 from tokenmill.integrations.torch import flat_position_ids, hf_inputs, to_torch
@@ -25,12 +25,7 @@ TOLERANCE = {"sdpa": 1e-10, "eager": 1e-6}
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """The lines of three standard-library modules, one document each (bytes tokenizer)."""
-    tmp = tmp_path_factory.mktemp("hf")
-    lines = [line for name in ("textwrap.py", "shlex.py", "glob.py")
-             for line in (STDLIB / name).read_text(encoding="utf-8").splitlines() if line.strip()]
-    tokenmill.prepare(str(write_jsonl(tmp / "p.jsonl", lines)), out=str(tmp / "store"),
-                      tokenizer="bytes", workers=1)
-    return str(tmp / "store")
+    return stdlib_lines_store(tmp_path_factory.mktemp("hf"))
 
 
 def first_batch(store, layout):

@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import STDLIB, read_log, write_jsonl
+from conftest import read_log, stdlib_lines_store
 import tokenmill
 from tokenmill.base.errors import ConfigError
 from tokenmill.hf import LoaderCallback, Row, TrainerDataset, collate
@@ -31,12 +31,7 @@ HANG = 600  # s: a run that has not paused by then hangs (a guard, not a measure
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """The lines of three standard-library modules, one document each (bytes tokenizer)."""
-    tmp = tmp_path_factory.mktemp("hf-trainer")
-    lines = [line for name in ("textwrap.py", "shlex.py", "glob.py")
-             for line in (STDLIB / name).read_text(encoding="utf-8").splitlines() if line.strip()]
-    tokenmill.prepare(str(write_jsonl(tmp / "p.jsonl", lines)), out=str(tmp / "store"),
-                      tokenizer="bytes", workers=1)
-    return str(tmp / "store")
+    return stdlib_lines_store(tmp_path_factory.mktemp("hf-trainer"))
 
 
 def loader_of(store, layout):

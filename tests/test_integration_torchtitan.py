@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.dataloader import BaseDataLoader
 
-from conftest import STDLIB, read_log, write_jsonl
+from conftest import read_log, stdlib_lines_store
 import tokenmill
 from tokenmill.load.attention import flat_position_ids
 from tokenmill.base.errors import ConfigError
@@ -29,12 +29,7 @@ HANG = 600  # s: a run that has not paused by then hangs (a guard, not a measure
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """The lines of two standard-library modules, one document each (bytes tokenizer)."""
-    tmp = tmp_path_factory.mktemp("titan")
-    lines = [line for name in ("textwrap.py", "shlex.py")
-             for line in (STDLIB / name).read_text(encoding="utf-8").splitlines() if line.strip()]
-    tokenmill.prepare(str(write_jsonl(tmp / "p.jsonl", lines)), out=str(tmp / "store"),
-                      tokenizer="bytes", workers=1)
-    return str(tmp / "store")
+    return stdlib_lines_store(tmp_path_factory.mktemp("titan"), ("textwrap.py", "shlex.py"))
 
 
 def build(store, layout, rank=0, world=1, **config):

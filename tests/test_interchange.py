@@ -362,7 +362,8 @@ def _tm(*args) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("vocab", ["abc", "258", None, True, 258.0, 0])
 def test_a_manifest_whose_vocab_size_is_no_positive_int_is_refused_by_every_reader(tmp_path, vocab):
-    from tokenmill.store import atomic_write_json, manifest_checksum, store_fingerprint
+    from tokenmill.base.io import atomic_write_json
+    from tokenmill.store import manifest_checksum, store_fingerprint
     write_jsonl(tmp_path / "c.jsonl", [f"document {i}" for i in range(20)])
     assert _tm("prepare", tmp_path / "c.jsonl", "--out", tmp_path / "s", "--tokenizer", "bytes",
                "--workers", "1").returncode == 0
@@ -573,7 +574,8 @@ def test_export_of_a_split_folder_whose_sides_do_not_belong_together_is_refused(
 
 def _lie_about_vocab(store: Path, vocab: int) -> None:
     """Edit the manifest's tokenizer vocab_size as a tool would: fingerprint and checksum redone."""
-    from tokenmill.store import atomic_write_json, manifest_checksum, store_fingerprint
+    from tokenmill.base.io import atomic_write_json
+    from tokenmill.store import manifest_checksum, store_fingerprint
     m = json.loads((store / "manifest.json").read_text())
     m["tokenizer"]["vocab_size"] = vocab
     m["fingerprint"] = store_fingerprint(m)

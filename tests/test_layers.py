@@ -38,6 +38,9 @@ MAX_TOP_LEVEL_MODULES = 12
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
 MAX_INIT_PARAMS = 8
+# over MAX_INIT_PARAMS today, pinned at their count: neither may grow, and one that shrinks to the
+# limit must leave this list (the Loader's ninth is **options, checked into LoaderOptions)
+INIT_PARAMS_PINNED = {"tokenmill.load.loader.Loader": 9}
 
 
 def module_name(path: Path) -> str:
@@ -214,24 +217,66 @@ def test_no_private_name_crosses_modules():
     assert not found, "private names used across modules:\n" + "\n".join(found)
 
 
+def init_params(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """The parameters of an ``__init__`` but self, ``*args`` and ``**kwargs`` included (a
+    ``**kwargs`` is one parameter: it hides knobs, it does not remove them)."""
+    a = node.args
+    rest = [x for x in (a.vararg, a.kwarg) if x is not None]
+    return [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs + rest][1:]
+
+
+def inits(tree: ast.Module, module: str) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    """Every class's ``__init__`` by the class's dotted name (module.Class)."""
+    return {f"{module}.{cls.name}": f for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)
+            for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and f.name == "__init__"}
+
+
+def too_big(name: str, text: str) -> list[str]:
+    """What in a module's source passes the sizes in docs/architecture.md, one line each."""
+    found = []
+    n = len(text.splitlines())
+    if n > MAX_MODULE_LINES:
+        found.append(f"{name}: {n} lines (> {MAX_MODULE_LINES})")
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"{name}.{node.name}: {length} lines (> {MAX_FUNCTION_LINES})")
+    for cls, init in inits(tree, name).items():
+        limit = INIT_PARAMS_PINNED.get(cls, MAX_INIT_PARAMS)
+        if len(params := init_params(init)) > limit:
+            found.append(f"{cls}.__init__ at line {init.lineno}: {len(params)} parameters "
+                         f"(> {limit}; group them in a config)")
+    return found
+
+
 def test_sizes_stay_small():
-    too_big = []
-    for name, path in modules().items():
-        text = path.read_text()
-        n = len(text.splitlines())
-        if n > MAX_MODULE_LINES:
-            too_big.append(f"{name}: {n} lines (> {MAX_MODULE_LINES})")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES:
-                    too_big.append(f"{name}.{node.name}: {length} lines (> {MAX_FUNCTION_LINES})")
-                if node.name == "__init__":
-                    params = [a.arg for a in node.args.args + node.args.kwonlyargs][1:]
-                    if len(params) > MAX_INIT_PARAMS:
-                        too_big.append(f"{name}.__init__ at line {node.lineno}: {len(params)} "
-                                       f"parameters (> {MAX_INIT_PARAMS}; group them in a config)")
-    assert not too_big, "\n".join(too_big)
+    found = [line for name, path in modules().items() for line in too_big(name, path.read_text())]
+    assert not found, "\n".join(found)
+
+
+def test_the_pinned_inits_have_exactly_their_pinned_count():
+    """A pin is where an __init__ stands, not an allowance: one that shrank lowers its pin (and
+    leaves the list once it is within MAX_INIT_PARAMS)."""
+    counts = {cls: len(init_params(init)) for name, path in modules().items()
+              for cls, init in inits(ast.parse(path.read_text()), name).items()}
+    assert {k: counts.get(k) for k in INIT_PARAMS_PINNED} == INIT_PARAMS_PINNED
+    assert all(n > MAX_INIT_PARAMS for n in INIT_PARAMS_PINNED.values())
+
+
+@pytest.mark.parametrize("signature, count", [
+    ("self, a, b, c, d, e, f, g, h", 8),
+    ("self, a, b, c, d, e, f, g, h, **options", 9),
+    ("self, a, b, c, d, e, f, g, *rest, h", 9),
+    ("self, a, /, b, c, *, d, e, f, g, h, i", 9),
+])
+def test_the_size_check_counts_every_parameter_of_an_init(signature, count):
+    text = f"class C:\n    def __init__({signature}):\n        pass\n"
+    want = [f"m.C.__init__ at line 2: {count} parameters (> {MAX_INIT_PARAMS}; group them in a "
+            "config)"] if count > MAX_INIT_PARAMS else []
+    assert too_big("m", text) == want
 
 
 @pytest.mark.parametrize("bad, want", [

@@ -32,10 +32,13 @@ def test_concat_offsets_are_in_range_and_move_with_the_epoch():
     for seq_len in (1, 5, 2048):
         offsets = [concat_offset(seq_len, seed=3, epoch=e) for e in range(50)]
         assert all(0 <= o < seq_len for o in offsets)
-        assert offsets == [concat_offset(seq_len, seed=3, epoch=e) for e in range(50)]
         if seq_len > 1:
             assert len(set(offsets)) > 1
     assert concat_offset(2048, seed=0, epoch=0) != concat_offset(2048, seed=1, epoch=0)
+    # a hash of (seed, epoch) alone, the same in every process and release: a saved concat run
+    # resumes on these windows (change the values only if you mean to break users' resumes)
+    assert [concat_offset(2048, seed=3, epoch=e) for e in range(6)] == [1512, 1504, 1639, 294,
+                                                                         1668, 53]
 
 
 def test_concat_windows_overlap_by_one_token():

@@ -499,6 +499,33 @@ def test_a_url_output_written_from_another_machine_is_refused_by_its_lease(tmp_p
     assert verify_store(tmp_path / "bucket" / "store") == [] and not lease.exists()
 
 
+def test_the_lease_of_a_killed_writer_on_this_machine_is_taken_at_once(tmp_path, monkeypatch):
+    """A writer killed on this machine never releases its lease; the next prepare takes it over
+    at once (its pid no longer runs), also while the killed one is not yet reaped (a zombie:
+    exited, its pid still listed)."""
+    write_jsonl(tmp_path / "c.jsonl", ["abc"])
+    url = f"file://{tmp_path}/bucket/store"
+    script = tmp_path / "lease_holder.py"
+    script.write_text(LEASE_HOLDER)
+    holder = subprocess.Popen([sys.executable, str(script), url], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ,
+                                              "TOKENMILL_CACHE_DIR": str(tmp_path / "cache-a")})
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache-b"))
+    try:
+        assert holder.stdout.readline().strip() == "leased"
+        holder.kill()
+        stat = Path(f"/proc/{holder.pid}/stat")
+        while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":  # killed, not reaped
+            time.sleep(0.01)
+        lease = json.loads((tmp_path / "bucket" / "store" / ".lease.json").read_text())
+        assert lease["pid"] == holder.pid and lease["expires"] > time.time()  # still live
+        prepare([str(tmp_path / "c.jsonl")], out=url, workers=1, progress=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert verify_store(tmp_path / "bucket" / "store") == []
+
+
 def test_a_folder_input_says_which_files_it_ignored_by_extension(tmp_path):
     """issue 12.13: files prepare cannot read are counted by extension, never passed over silently."""
     src = tmp_path / "in"

@@ -344,3 +344,23 @@ def test_end_trees_ends_children_and_what_they_started():
     stat = Path(f"/proc/{grandchildren[0]}/stat")
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
     proc.stdout.close()
+
+
+def state_of(pid: int) -> str | None:
+    """The state letter /proc shows for ``pid`` (None when it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+def test_running_is_false_for_a_killed_child_before_and_after_it_is_reaped():
+    from tokenmill.base.procs import running
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    assert running(proc.pid) and running(os.getpid())
+    proc.kill()
+    while state_of(proc.pid) != "Z":  # killed, not yet reaped: a zombie
+        time.sleep(0.01)
+    assert not running(proc.pid)
+    proc.wait()
+    assert not running(proc.pid)

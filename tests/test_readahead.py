@@ -110,8 +110,8 @@ def test_a_compressed_input_is_planned_once(tmp_path, monkeypatch):
     with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in TEXTS)
     calls = []
-    plan = readers.plan_stream
-    monkeypatch.setattr(readers, "plan_stream", lambda *a: calls.append(a) or plan(*a))
+    plan = readers.plan_compressed
+    monkeypatch.setattr(readers, "plan_compressed", lambda *a: calls.append(a) or plan(*a))
     prepare(str(tmp_path / "a.jsonl.gz"), out=str(tmp_path / "s"), workers=1, progress=False)
     assert len(calls) == 1
     assert [bytes(d[:-1]).decode() for d in docs_of(tmp_path / "s")] == TEXTS

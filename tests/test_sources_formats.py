@@ -407,12 +407,12 @@ def test_dataset_dict_needs_split(tmp_path):
     ("default/validation/0000.parquet", "validation"), ("data/test_gen-00000-of-00001.parquet", "test_gen"),
     ("plain_text/unsupervised-00000-of-00001.parquet", None), ("en/part-0.jsonl", None),
     ("train_0.jsonl", "train"), ("mine/x.arrow", None)])
-def test_split_of_hub_file_names(relpath, split):
-    assert splits.split_of(relpath) == split
+def test_file_split_of_hub_file_names(relpath, split):
+    assert splits.file_split(relpath) == split
 
 
-def test_split_of_a_dataset_dicts_own_names():
-    assert splits.split_of("mine/data-00000-of-00001.arrow", {"mine"}) == "mine"
+def test_file_split_of_a_dataset_dicts_own_names():
+    assert splits.file_split("mine/data-00000-of-00001.arrow", {"mine"}) == "mine"
     assert splits.dict_splits(b'{"splits": ["mine", "other"]}') == ["mine", "other"]
     assert splits.dict_splits(b"not json") == splits.dict_splits(None) == []
 

@@ -15,8 +15,9 @@ import xxhash
 
 import tokenmill
 from tokenmill.base.errors import ConfigError, StoreError
-from tokenmill.store import (ShardInfo, ShardWriter, TokenStore, atomic_write_json, build_manifest,
-                             idx_bytes, manifest_checksum, read_idx, shard_name, verify_store)
+from tokenmill.base.io import atomic_write_json
+from tokenmill.store import (ShardInfo, ShardWriter, TokenStore, build_manifest, idx_bytes,
+                             manifest_checksum, read_idx, shard_name, verify_store)
 
 
 def write_store(path, docs, *, dtype=np.uint16, shard_tokens=50):
@@ -214,7 +215,7 @@ def write_many_shard_store(path: Path, shards: int) -> Path:
     return path
 
 
-READ_MANY_SHARDS = '''
+AUDITED = '''
 import resource  # a descriptor limit of 128: the default max_open is then 32
 resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 import json, os, random, sys, time
@@ -227,7 +228,10 @@ def hook(event, args):
     if event == "open" and isinstance(args[0], str) and args[0].startswith(sys.argv[1]):
         opened.append(os.path.basename(args[0]))
 sys.addaudithook(hook)
+'''  # the start of both programs: descriptors counted, the store's files opened listed
 
+
+READ_MANY_SHARDS = AUDITED + '''
 from tokenmill.store import TokenStore
 before = fds()
 start = time.perf_counter()
@@ -249,20 +253,7 @@ print(json.dumps(dict(before=before, open_s=open_s, after_open=after_open, peak=
 '''
 
 
-LOAD_MANY_SHARDS = '''
-import resource  # a descriptor limit of 128: the default max_open is then 32
-resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-import json, os, sys, time
-
-def fds():
-    return len(os.listdir("/proc/self/fd"))
-
-opened = []  # files of the store this process opens (an audit hook sees every open())
-def hook(event, args):
-    if event == "open" and isinstance(args[0], str) and args[0].startswith(sys.argv[1]):
-        opened.append(os.path.basename(args[0]))
-sys.addaudithook(hook)
-
+LOAD_MANY_SHARDS = AUDITED + '''
 import numpy as np
 from tokenmill import Loader
 before = fds()

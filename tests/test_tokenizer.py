@@ -275,6 +275,23 @@ def test_train_bpe_validates_vocab_size(tmp_path):
         train_bpe(["abc"], 100, out_path=tmp_path / "t.json")
 
 
+def test_train_bpe_writes_like_every_writer_and_never_replaces_a_link(tmp_path):
+    """Through io's atomic writer: the tokenizer.json it saves (the bytes tokenizers' own save
+    writes), no temporary file left beside it, and an out_path that is a link is refused (the
+    link and its target untouched) instead of replaced by a file."""
+    texts = ["hello world, hello tokenmill"] * 20
+    path = train_bpe(texts, 300, out_path=tmp_path / "t.json")
+    assert os.listdir(tmp_path) == ["t.json"]
+    assert Path(path).read_text() == HFTok.from_file(path).to_str(pretty=True)
+    (tmp_path / "target.json").write_text("theirs")
+    (tmp_path / "link.json").symlink_to(tmp_path / "target.json")
+    with pytest.raises(ConfigError, match="link.json: is a symbolic link"):
+        train_bpe(texts, 300, out_path=tmp_path / "link.json")
+    assert (tmp_path / "link.json").is_symlink()
+    assert (tmp_path / "target.json").read_text() == "theirs"
+    assert sorted(os.listdir(tmp_path)) == ["link.json", "t.json", "target.json"]
+
+
 @pytest.mark.parametrize("content, says", [
     ('{"a": 1}', "(it holds an object with keys ['a'], no \"model\")"),
     ("[1, 2]", "(it holds a JSON list, no \"model\")"),

@@ -155,7 +155,7 @@ def measured_peak_flops(seconds: float = 1.0) -> float:
 
 # ---- the two loaders ------------------------------------------------------------------------
 
-def naive_batches(corpus: Path, tokenizer_path: str, cfg: DemoConfig):
+def on_the_fly_batches(corpus: Path, tokenizer_path: str, cfg: DemoConfig):
     """The loader many projects start with: a random document per sample, tokenized on the fly
     with ``tokenizers`` (no cache, no workers), a random window, built in Python."""
     import torch
@@ -245,11 +245,11 @@ def run_demo(out: Path, *, quick: bool = False) -> dict:
     peak = measured_peak_flops()
     print(f"[4/5] train a small GPT twice for {cfg.train_seconds:g} s each "
           f"(CPU; matmul peak measured at {peak / 1e9:.1f} GFLOP/s)")
-    before = train(naive_batches(corpus, tok_path, cfg), cfg, peak, "naive")
+    before = train(on_the_fly_batches(corpus, tok_path, cfg), cfg, peak, "naive")
     after = train(tokenmill_batches(store, cfg), cfg, peak, "tokenmill")
 
     print("[5/5] results")
-    print(format_table(before, after))
+    print(comparison_table(before, after))
     png = plot_runs(before, after, out / "demo.png")
     if png:
         print(f"      loss curves and throughput: {png}")
@@ -258,7 +258,7 @@ def run_demo(out: Path, *, quick: bool = False) -> dict:
     return {"before": before, "after": after}
 
 
-def format_table(before: dict, after: dict) -> str:
+def comparison_table(before: dict, after: dict) -> str:
     """The before/after table, seed-style."""
     def row(name, key, fmt):
         a, b = before.get(key), after.get(key)

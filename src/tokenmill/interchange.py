@@ -55,13 +55,12 @@ import xxhash
 
 from tokenmill.base.arrays import first_outside
 from tokenmill.base.errors import ConfigError, InputError, TokenizerError
-from tokenmill.base.io import atomic_output
+from tokenmill.base.io import atomic_output, atomic_write_bytes, atomic_write_json, temp_name
 from tokenmill.load.plan import check_tokenizers
 from tokenmill.prepare.split import check_accounts, split_of, split_sides
 from tokenmill.store.shardexport import nanogpt_chunks, verified_shard
 from tokenmill.store import (IDX_HEADER, IDX_MAGIC, IDX_VERSION, MANIFEST, DTYPE_CODES, ShardInfo,
-                             TokenStore, atomic_write_bytes, atomic_write_json, build_manifest,
-                             idx_bytes, read_idx, shard_name)
+                             TokenStore, build_manifest, idx_bytes, read_idx, shard_name)
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["EXPORT_FORMATS", "LINK_MODES", "export", "import_megatron"]
@@ -235,8 +234,7 @@ def _write_shard(plan: _ShardPlan, out: Path, i: int, link: str, vocab_size: int
                  bar) -> tuple[ShardInfo, str]:
     """Place the .bin (link or copy), scan and hash it, write the .idx; (info, link mode used)."""
     name = shard_name(i)
-    src, tmp = f"{plan.prefix}.bin", out / f".{name}.bin.tmp"
-    tmp.unlink(missing_ok=True)
+    src, tmp = f"{plan.prefix}.bin", temp_name(out / f"{name}.bin")
     mode = _place(src, tmp, link)
     try:
         digest = _scan(tmp if mode != "copy" else src, tmp if mode == "copy" else None,

@@ -26,8 +26,9 @@ from faults.conftest import SIZE, record
 from faults.programs import digest
 from tokenmill import Loader
 from tokenmill.load import pack, sampler
+from tokenmill.base.io import atomic_write_json
 from tokenmill.store import (IDX_HEADER, IDX_MAGIC, IDX_VERSION, CODE_OF_DTYPE, ShardInfo,
-                             TokenStore, atomic_write_json, build_manifest, idx_bytes)
+                             TokenStore, build_manifest, idx_bytes)
 
 BIG = 2**31 - 1
 SHARD0 = np.array([BIG, BIG, 2**20 + 7], np.int64)

@@ -332,7 +332,7 @@ def unlock(fd: int) -> None:
 # ---- background jobs ------------------------------------------------------------------------
 
 
-class Job(NamedTuple):
+class QueuedJob(NamedTuple):
     """One queued background job and the Future that carries its outcome."""
 
     run: Callable[[threading.Event], Any]
@@ -349,7 +349,7 @@ class BackgroundJobs:
 
     def __init__(self, name: str = "tokenmill-background"):
         self.name = name
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._jobs: queue.Queue[QueuedJob | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._closed = False
         self._guard = threading.Lock()
@@ -366,7 +366,7 @@ class BackgroundJobs:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
-            self._jobs.put(Job(job, fut))
+            self._jobs.put(QueuedJob(job, fut))
         return fut
 
     def _run(self) -> None:

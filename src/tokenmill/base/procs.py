@@ -249,8 +249,23 @@ def _ended(pid: int) -> bool:
     with contextlib.suppress(ChildProcessError):
         if os.waitpid(pid, os.WNOHANG)[0]:
             return True
+    return not running(pid)
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine: it exists (another user's counts) and has
+    not ended (a zombie, exited but not reaped, has).
+
+    running(os.getpid()) is True
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
     stat = _stat(pid)
-    return stat is None or stat[1] == "Z"
+    return stat is None or stat[1] != "Z"
 
 
 def exit_reason(returncode: int | None) -> str:

@@ -31,7 +31,7 @@ _SKIPPABLE = 0x184D2A50  # skippable frames: magic 0x184D2A50 … 0x184D2A5F, a 
 
 
 @contextlib.contextmanager
-def open_stream(path: str, fmt: str, storage_options) -> Iterator:
+def open_decompressed(path: str, fmt: str, storage_options) -> Iterator:
     """The decompressed bytes of a .jsonl.gz or .jsonl.zst file, as a readable file object."""
     with open_binary(path, storage_options) as raw:
         if fmt == "jsonl.gz":
@@ -130,7 +130,8 @@ class StreamPayloads:
         try:
             if unit.path != self._path or unit.start < self._pos:
                 self.close()
-                self._f = self._stack.enter_context(open_stream(unit.path, fmt, self._options))
+                self._f = self._stack.enter_context(
+                    open_decompressed(unit.path, fmt, self._options))
                 self._path, self._pos = unit.path, 0
             skip_bytes(self._f, unit.start - self._pos)
             self._pos = unit.start

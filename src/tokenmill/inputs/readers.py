@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenmill.inputs.decompress import open_stream, skip_bytes
+from tokenmill.inputs.decompress import open_decompressed, skip_bytes
 from tokenmill.base.errors import InputError
 from tokenmill.base.io import file_size, open_binary
 from tokenmill.inputs.jsonl import NOT_JSON_LINES, json_reader, one_value
@@ -70,14 +70,15 @@ def plan_ranges(path: str, config: SourceConfig) -> list[tuple[int, int]]:
     return [(s, min(s + step, size)) for s in range(0, size, step)] or [(0, -1)]
 
 
-def plan_stream(path: str, fmt: str, config: SourceConfig) -> tuple[list[Range], BaseException | None]:
+def plan_compressed(path: str, fmt: str,
+                    config: SourceConfig) -> tuple[list[Range], BaseException | None]:
     """Ranges of a compressed stream from one pass over it, and the read error that ended the
     pass early, if any (then the last range runs to the end, stop -1: its reader meets the error
     again). An empty or binary stream, or one JSON value, is one range (0, -1, 0), which its
     reader reports."""
     ranges, start, line = [], 0, 0
     try:
-        with open_stream(path, fmt, config.storage_options) as f:
+        with open_decompressed(path, fmt, config.storage_options) as f:
             head = f.read(_SNIFF)
             if _stream_problem(head, path):
                 return [(0, -1, 0)], None
@@ -215,13 +216,13 @@ def _stream_docs(unit: Unit, fmt: str, config: SourceConfig, report: Report, pay
         if payload is not None:
             f = io.BytesIO(payload)
         else:
-            f = stack.enter_context(open_stream(unit.path, fmt, config.storage_options))
+            f = stack.enter_context(open_decompressed(unit.path, fmt, config.storage_options))
             skip_bytes(f, unit.start)
         limit = unit.stop - unit.start if unit.stop >= 0 else -1
         head = b""
         if unit.start == 0:
             head = f.read(_SNIFF if limit < 0 else min(_SNIFF, limit))
-            # one JSON value: planned as one range to the end, as plan_stream saw it
+            # one JSON value: planned as one range to the end, as plan_compressed saw it
             if problem := (_stream_problem if limit < 0 else _sniff)(head, unit.path):
                 yield report("file", *problem)
                 return
@@ -303,7 +304,7 @@ def _line_base(path: str, fmt: str, pos: int, storage_options) -> Callable[[], i
 
     def base() -> int:
         if not cache:
-            opened = open_stream(path, fmt, storage_options) if fmt in COMPRESSED \
+            opened = open_decompressed(path, fmt, storage_options) if fmt in COMPRESSED \
                 else open_binary(path, storage_options)
             n, left = 0, pos
             with opened as f:

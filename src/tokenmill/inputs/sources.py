@@ -230,7 +230,7 @@ def dataset_files(directory: str, read: Callable[[str], bytes] | None = None) ->
 
 def _plan_file(path: str, fmt: str, config: SourceConfig) -> list[Unit]:
     if fmt in COMPRESSED:
-        ranges, error = readers.plan_stream(path, fmt, config)
+        ranges, error = readers.plan_compressed(path, fmt, config)
         if error is not None:  # under "skip", the reader of the last range meets it again
             problem(path, config.on_error, "file", "unreadable", describe(error))
         return [Unit(path, start, stop, line) for start, stop, line in ranges]

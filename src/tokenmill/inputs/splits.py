@@ -17,8 +17,8 @@ its files are taken (and a folder that has splits, but not that one, is refused 
 A folder without splits, a file, or a glob is taken whole: name ``dir/train`` to take one
 split without ``--split``, or a glob to take several.
 
-    split_of("data/train-00000-of-00002.parquet") == "train"
-    split_of("en/part-0.jsonl") is None
+    file_split("data/train-00000-of-00002.parquet") == "train"
+    file_split("en/part-0.jsonl") is None
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ KEYWORDS = frozenset({"train", "training", "validation", "valid", "val", "dev", 
 _WORD = re.compile(r"[A-Za-z]+(?:_[A-Za-z]+)*")
 
 
-def split_of(relpath: str, names: Collection[str] = ()) -> str | None:
+def file_split(relpath: str, names: Collection[str] = ()) -> str | None:
     """The split of a file from its path below the listed folder; None if it names none."""
     for part in relpath.replace("\\", "/").split("/"):
         stem = re.split(r"[-.]", part, maxsplit=1)[0]
@@ -62,7 +62,7 @@ def choose(folder: str, files: Sequence[str], relative: Callable[[str], str],
     """The files of a folder to read: those of ``split``, or all when the folder has at most one
     split; ``relative(f)`` is f's path below the folder, ``names`` the DatasetDict's splits."""
     known = set(names) | ({split} if split else set())
-    of = {f: split_of(relative(f), known) for f in files}
+    of = {f: file_split(relative(f), known) for f in files}
     counts = Counter(s for s in of.values() if s is not None)
     if split is None:
         if len(counts) < 2:

@@ -14,23 +14,13 @@ import os
 from typing import Any, Callable, Sequence
 
 from tokenmill.base.errors import ConfigError
-from tokenmill.prepare.pool import UnitPool, ordered_results
+from tokenmill.prepare.pool import UnitPool
+from tokenmill.prepare.run import notify, prepare_local, summary_line
 from tokenmill.prepare.split import (SIDES, check_accounts, check_fraction, check_plain_out,
                                      check_split_out, split_line, split_of, split_paths)
-from tokenmill.prepare.run import (Progress, Run, file_sizes, prepare_local, report, run_local,
-                                   start_run, summary_line, unit_weights)
-from tokenmill.prepare.tokenize import (DEFAULT_SHARD_TOKENS, PrepareConfig, UnitResult,
-                                        input_name, tokenize_unit)
-from tokenmill.base.procs import resolve_workers
-from tokenmill.store.format import MANIFEST
-from tokenmill.store.writer import MAX_EXAMPLES, PROGRESS, SkipLog
+from tokenmill.prepare.tokenize import PrepareConfig, tokenize_unit
 
-__all__ = [
-    "DEFAULT_SHARD_TOKENS", "MANIFEST", "MAX_EXAMPLES", "PROGRESS", "PrepareConfig", "Progress",
-    "Run", "SkipLog", "UnitPool", "UnitResult", "file_sizes", "input_name", "ordered_results",
-    "prepare", "report", "resolve_workers", "run_local", "start_run", "summary_line",
-    "tokenize_unit", "unit_weights",
-]
+__all__ = ["PrepareConfig", "UnitPool", "prepare", "summary_line", "tokenize_unit"]
 
 
 def prepare(inputs: str | Sequence[str], *, out: str | os.PathLike, tokenizer: str = "bytes",
@@ -93,7 +83,7 @@ def prepare_split(one: Callable[..., dict], out, fraction: float,
     check_split_out(out)
     paths, done = split_paths(out), {}
     for side in SIDES:
-        report(f"split: writing the {side} side (val fraction {fraction:g}) to {paths[side]}",
+        notify(f"split: writing the {side} side (val fraction {fraction:g}) to {paths[side]}",
                progress)
         done[side] = one(out=paths[side], holdout=(side, fraction))
         split = split_of(done[side])
@@ -101,6 +91,6 @@ def prepare_split(one: Callable[..., dict], out, fraction: float,
             raise ConfigError(f"val_fraction={fraction:g}: no document of the "
                               f"{done[side]['num_documents']:,} falls on the val side; pass a "
                               "larger fraction (and --overwrite to redo the train store)")
-        report(f"split: {split_line(split, done[side]['num_documents'])}", progress)
+        notify(f"split: {split_line(split, done[side]['num_documents'])}", progress)
     check_accounts(done["train"], done["val"])
     return done

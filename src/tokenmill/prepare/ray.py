@@ -51,7 +51,7 @@ import xxhash
 from tokenmill.inputs import sources
 from tokenmill.base.errors import ConfigError, StoreError, Terminated, TokenmillError
 from tokenmill.base.io import FileId, atomic_write_bytes, filesystem, is_url, json_bytes
-from tokenmill.prepare.run import (Progress, Run, finish, origins_of, report, start_run,
+from tokenmill.prepare.run import (Progress, Run, finish, notify, origins_of, start_run,
                                    summary_line, unit_weights)
 from tokenmill.prepare.tokenize import PrepareConfig, config_tokenizer, tokenize_unit
 from tokenmill.base.procs import (SigtermExits, children, command_line, end_trees, resolve_workers,
@@ -311,7 +311,7 @@ def prepare_on_ray(inputs: Sequence[str], *, out: str | os.PathLike, tokenizer: 
             meter.close()
     if writer.remote is not None:
         _remove(f"{where}/{PROGRESS}", storage_options, recursive=True)
-    report(summary_line(manifest), progress)
+    notify(summary_line(manifest), progress)
     return manifest
 
 

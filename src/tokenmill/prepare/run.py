@@ -87,7 +87,7 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
     files, list_skips = listing.files, listing.skips
     check_joinable(config.text_key, {f: sources.format_of(f, config.text_ext) for f in files})
     if listing.ignored:
-        report(ignored_note(listing.ignored), progress)
+        notify(ignored_note(listing.ignored), progress)
     sizes = file_sizes(files, storage_options)
     ids = input_ids(files, storage_options)  # before any input is read again (a resume's check)
     settings = config.settings(inputs, files, sizes, storage_options)
@@ -123,9 +123,9 @@ def start_run(inputs, *, out, tokenizer: str, overwrite: bool, storage_options, 
         run = Run(config, writer, tok, files, sizes, settings, storage_options, progress,
                   planned(), inputs_record(files, planned(), storage_options, ids))
         if getattr(tok, "source", None):
-            report(f"tokenizer {config.tokenizer}: {tok.source}", progress)
+            notify(f"tokenizer {config.tokenizer}: {tok.source}", progress)
         if tok.kind == "hf":
-            report(engine_line(tok), progress)
+            notify(engine_line(tok), progress)
         return run
     except BaseException:
         writer.close()
@@ -137,7 +137,7 @@ def already_complete(writer: StoreWriter, progress: bool | None) -> dict:
     was prepared, ``prepare.identity``, by the writer: else a ConfigError naming them)."""
     done = writer.manifest
     writer.close()
-    report(f"{writer.where}: already complete ({done['num_documents']:,} documents, "
+    notify(f"{writer.where}: already complete ({done['num_documents']:,} documents, "
            f"{done['num_tokens']:,} tokens)", progress)
     return done
 
@@ -155,7 +155,7 @@ def same_transform(writer: StoreWriter, units: list[sources.Unit], config: Prepa
             "something it loads (a module, a data file), changed since the run was interrupted; "
             "restore it as it was to finish the run, or pass --overwrite to start over with the "
             "transform as it is now")
-    report(f"note: {writer.where}: the interrupted run's {what}; starting over (--overwrite)",
+    notify(f"note: {writer.where}: the interrupted run's {what}; starting over (--overwrite)",
            progress)
     writer.start_over()
 
@@ -171,7 +171,7 @@ def input_check(units: Callable[[], list[sources.Unit]], storage_options,
             unit = planned[int(u)] if int(u) < len(planned) else None
             if unit is None or unit_digest(unit, storage_options) != want:
                 what = redact(unit.path) if unit else f"work unit {u}"
-                report(f"note: {what} changed since the interrupted run (its bytes differ, "
+                notify(f"note: {what} changed since the interrupted run (its bytes differ, "
                        f"whatever its size and time say); redoing from {record['shard']['name']}",
                        progress)
                 return False
@@ -285,7 +285,7 @@ def run_local(run: Run, workers: int, pool: UnitPool | None = None,
     finally:
         payloads.close()  # the parent's open compressed streams
         meter.close()
-    report(summary_line(manifest), run.progress)
+    notify(summary_line(manifest), run.progress)
     return manifest
 
 
@@ -369,7 +369,7 @@ def summary_line(manifest: dict) -> str:
             + (f" ({reasons})" if reasons else ""))
 
 
-def report(line: str, progress: bool | None) -> None:
+def notify(line: str, progress: bool | None) -> None:
     """Print one line to stderr unless progress is off."""
     if progress is not False:
         print(redact(line), file=sys.stderr, flush=True)

@@ -5,7 +5,8 @@ passed over.
 
 A shard closes at the first document boundary at or past ``shard_tokens``, so where shards start
 depends only on the document stream. Each file is written under a temporary name unique to the
-writer (``.shard-00003.bin.tmp-<pid>-<random>``), fsynced and renamed into place.
+writer (``.shard-00003.bin.tmp-<pid>-<random>``: ``io.temp_name``; the .src and .idx through
+``io.atomic_write_bytes``), fsynced and renamed into place: .src, .bin, then .idx.
 
     w = ShardWriter("store", dtype=np.uint16, shard_tokens=1 << 26)
     closed = w.add(tokens, lengths)     # [(ShardInfo, documents of this call it holds), …]
@@ -16,7 +17,6 @@ writer (``.shard-00003.bin.tmp-<pid>-<random>``), fsynced and renamed into place
 from __future__ import annotations
 
 import os
-import secrets
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +26,7 @@ import numpy as np
 import xxhash
 
 from tokenmill.inputs import sources
-from tokenmill.base.io import no_space_is_a_store_error, redact
+from tokenmill.base.io import atomic_write_bytes, no_space_is_a_store_error, redact, temp_name
 from tokenmill.inputs.records import COUNTED_ONLY
 from tokenmill.store.format import CODE_OF_DTYPE, Origins, idx_bytes, shard_name, src_bytes
 
@@ -110,8 +110,8 @@ class ShardWriter:
         self.shard_tokens = shard_tokens
         self.next_index = first_shard
         self.on_start = on_start  # called with a shard's index before its first byte is written
-        self._tag = f"{os.getpid()}-{secrets.token_hex(4)}"  # temp names unique to this writer
         self._file = None
+        self._tmp: Path | None = None  # the open shard's .bin, under a name unique to this writer
         self._hash = None
         self._lengths: list[np.ndarray] = []
         self._tokens = 0
@@ -149,11 +149,13 @@ class ShardWriter:
         return closed
 
     def _write(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        with no_space_is_a_store_error(self._tmp(".bin")):
+        if self._tmp is None:
+            self._tmp = temp_name(self.out_dir / f"{shard_name(self.next_index)}.bin")
+        with no_space_is_a_store_error(self._tmp):
             if self._file is None:
                 if self.on_start is not None:
                     self.on_start(self.next_index)
-                self._file = open(self._tmp(".bin"), "wb")
+                self._file = open(self._tmp, "wb")
                 self._hash = xxhash.xxh3_64()
             data = tokens.astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
             self._file.write(data)
@@ -161,48 +163,31 @@ class ShardWriter:
         self._lengths.append(lengths)
         self._tokens += len(tokens)
 
-    def _tmp(self, suffix: str) -> Path:
-        return self.out_dir / f".{shard_name(self.next_index)}{suffix}.tmp-{self._tag}"
-
     def close_shard(self) -> ShardInfo:
         """Finish the open shard (fsync, write its index, rename both into place)."""
         if self._file is None:
             self._write(np.zeros(0, self.dtype), np.zeros(0, np.int64))
-        with no_space_is_a_store_error(self._tmp(".bin")):
+        with no_space_is_a_store_error(self._tmp):
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
         idx = idx_bytes(lengths, self.dtype)
         name = shard_name(self.next_index)
-        bin_tmp, idx_tmp = self._tmp(".bin"), self._tmp(".idx")
-        with no_space_is_a_store_error(idx_tmp), open(idx_tmp, "wb") as f:
-            f.write(idx)
-            f.flush()
-            os.fsync(f.fileno())
-        src = self._write_src() if self.origins else None
+        src = src_bytes(Origins.concat(self._origins)) if self.origins else None
         info = ShardInfo(name=name, num_documents=len(lengths), num_tokens=self._tokens,
                          bin_bytes=self._tokens * self.dtype.itemsize, idx_bytes=len(idx),
                          bin_xxh3=self._hash.hexdigest(), idx_xxh3=xxhash.xxh3_64_hexdigest(idx),
                          src_bytes=None if src is None else len(src),
                          src_xxh3=None if src is None else xxhash.xxh3_64_hexdigest(src))
         if src is not None:
-            os.replace(self._tmp(".src"), self.out_dir / f"{name}.src")
-        os.replace(bin_tmp, self.out_dir / f"{name}.bin")
-        os.replace(idx_tmp, self.out_dir / f"{name}.idx")
-        self._file, self._hash, self._lengths, self._tokens = None, None, [], 0
+            atomic_write_bytes(self.out_dir / f"{name}.src", src)
+        os.replace(self._tmp, self.out_dir / f"{name}.bin")
+        atomic_write_bytes(self.out_dir / f"{name}.idx", idx)
+        self._file, self._tmp, self._hash, self._lengths, self._tokens = None, None, None, [], 0
         self._origins = []
         self.next_index += 1
         return info
-
-    def _write_src(self) -> bytes:
-        """The open shard's .src, written under its temporary name and fsynced; its bytes."""
-        data = src_bytes(Origins.concat(self._origins))
-        with no_space_is_a_store_error(self._tmp(".src")), open(self._tmp(".src"), "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        return data
 
     def finish(self) -> ShardInfo | None:
         """Close the last, partly filled shard, if any documents are pending."""
@@ -216,5 +201,6 @@ class ShardWriter:
             except OSError:  # the disk is full: the buffered rest cannot be written, nor matters
                 pass
             self._file = None
-        for suffix in (".bin", ".idx", ".src"):
-            self._tmp(suffix).unlink(missing_ok=True)
+        if self._tmp is not None:
+            self._tmp.unlink(missing_ok=True)
+            self._tmp = None

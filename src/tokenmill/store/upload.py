@@ -19,8 +19,9 @@ from typing import Any, Callable, Iterator, Mapping
 
 from tokenmill.base.errors import ConcurrentWriterError, StoreError
 from tokenmill.base.io import CHUNK, filesystem, json_bytes, list_sizes, read_bytes, redact
+from tokenmill.base.procs import running
 from tokenmill.store.cache import default_cache_dir, url_key
-from tokenmill.store.format import MANIFEST, SHARD_FILE
+from tokenmill.store.format import MANIFEST
 
 
 class RemoteOut:
@@ -50,10 +51,6 @@ class RemoteOut:
         """The remote manifest's bytes, or None."""
         return read_bytes(f"{self.url}/{MANIFEST}", self.storage_options)
 
-    def foreign_files(self) -> list[str]:
-        """Objects under the URL that no store writes."""
-        return sorted(n for n in self.sizes() if n != MANIFEST and not n.startswith("shard-"))
-
     def clear(self) -> None:
         """Delete the remote store: manifest first (so it reads as incomplete), then shards."""
         names = self.sizes()
@@ -61,13 +58,6 @@ class RemoteOut:
             self.fs.rm_file(self._rpath(MANIFEST))
         for n in names:
             if n.startswith("shard-"):
-                self.fs.rm_file(self._rpath(n))
-        self._listing = None
-
-    def remove_from(self, first_shard: int) -> None:
-        """Delete shard objects numbered ``first_shard`` and up (uploads never committed)."""
-        for n in list(self.sizes()):
-            if (m := SHARD_FILE.fullmatch(n)) and int(m[1]) >= first_shard:
                 self.fs.rm_file(self._rpath(n))
         self._listing = None
 
@@ -207,13 +197,7 @@ class Lease:
         """A lease taken on this machine by a process that is gone (killed: never released)."""
         if held.get("host") != self.me["host"] or not isinstance(held.get("pid"), int):
             return False
-        try:
-            os.kill(held["pid"], 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # alive, another user's
-            return False
-        return False
+        return not running(held["pid"])
 
     def read(self) -> dict | None:
         """The lease in the bucket, if any."""

@@ -16,22 +16,11 @@ One job per module (docs/streaming.md tells the whole story):
 - ``loader``: ``StreamLoader``, its state and resume;
 - ``mix``: ``MixedStreamLoader``, a mixture of text sources (each a ``StreamLoader``).
 
-This facade re-exports the names other code used from ``tokenmill.stream``; its ``open_stream``
-is ``mix.open_text``: one text source, or a mixture of them.
+This facade re-exports the names other code uses; its ``open_stream`` (``mix.open_stream``) opens
+one text source, or a mixture of them.
 """
 
-from tokenmill.streaming.cache import WAIT_WARNING_S
-from tokenmill.streaming.loader import StreamLoader
-from tokenmill.streaming.mix import MixedStreamLoader
-from tokenmill.streaming.mix import open_text as open_stream
-from tokenmill.streaming.order import (DELAY_TAG, emission_order, emission_time, emitted_before,
-                                       window_delays)
-from tokenmill.streaming.plan import DEFAULT_SHUFFLE_BUFFER, STATE_VERSION, Cursor, StreamPlan
-from tokenmill.streaming.producer import READY_BATCHES
-from tokenmill.streaming.windows import WindowSource
+from tokenmill.streaming.mix import open_stream
+from tokenmill.streaming.order import DELAY_TAG, emission_order, emission_time, emitted_before
 
-__all__ = [
-    "Cursor", "DEFAULT_SHUFFLE_BUFFER", "DELAY_TAG", "MixedStreamLoader", "READY_BATCHES",
-    "STATE_VERSION", "StreamLoader", "StreamPlan", "WAIT_WARNING_S", "WindowSource",
-    "emission_order", "emission_time", "emitted_before", "open_stream", "window_delays",
-]
+__all__ = ["DELAY_TAG", "emission_order", "emission_time", "emitted_before", "open_stream"]

@@ -47,7 +47,7 @@ from tokenmill.tokenizer import Tokenizer
 CURSOR_FIELDS = Cursor._fields
 
 
-def open_stream(inputs: str | os.PathLike | Sequence, *, tokenizer: str = "bytes", seq_len: int,
+def open_single(inputs: str | os.PathLike | Sequence, *, tokenizer: str = "bytes", seq_len: int,
                 batch_size: int, cache_dir: str | os.PathLike, seed: int = 0,
                 rank: int | None = None, world_size: int | None = None,
                 num_workers: int | str = "auto", shuffle_buffer: int | None = None,
@@ -76,7 +76,7 @@ def open_stream(inputs: str | os.PathLike | Sequence, *, tokenizer: str = "bytes
 class StreamLoader(OneIterator):
     """Batches straight from raw text (tokenized by worker processes), cached as a store.
 
-    Made by ``Loader.from_text`` (``open_stream``); the same batch interface as ``Loader``: dicts
+    Made by ``Loader.from_text`` (``open_single``); the same batch interface as ``Loader``: dicts
     of int32 ``inputs``/``targets`` of shape (batch_size, seq_len), ``state_dict``/
     ``load_state_dict``, ``close``, ``stage_times``/``queue_depth`` for the Meter.
     """

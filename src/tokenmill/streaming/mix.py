@@ -39,17 +39,17 @@ from tokenmill.load.mixture import Mixture, described_phases, mixture_of
 from tokenmill.load.plan import MAX_CONSUMED, resolve_rank
 from tokenmill.load.lifetime import Iteration, OneIterator
 from tokenmill.load.ranks import CheckedFirst, agree
-from tokenmill.streaming.loader import StreamLoader, open_stream, what_differs
+from tokenmill.streaming.loader import StreamLoader, open_single, what_differs
 from tokenmill.streaming.plan import STATE_VERSION, digest, resolve_stream_workers
 from tokenmill.streaming.producer import READY_BATCHES
 from tokenmill.streaming.rows import new_batch
 
-__all__ = ["MIX_MODE", "MixedStreamLoader", "draws_before", "open_mixture", "open_text"]
+__all__ = ["MIX_MODE", "MixedStreamLoader", "draws_before", "open_mixture", "open_stream"]
 
 MIX_MODE = "stream-mixture"
 
 
-def open_text(inputs, *, mixture: Sequence | None = None, **kwargs: Any):
+def open_stream(inputs, *, mixture: Sequence | None = None, **kwargs: Any):
     """``Loader.from_text``: one text source (a ``StreamLoader``), or a mixture of them — named
     sources with ``mixture=`` phases, or ``{inputs: weight}`` (a ``MixedStreamLoader``)."""
     if not isinstance(inputs, Mapping):
@@ -57,7 +57,7 @@ def open_text(inputs, *, mixture: Sequence | None = None, **kwargs: Any):
             raise ConfigError("mixture= needs named text sources: Loader.from_text({'web': "
                               "'data/web', 'code': 'data/code'}, mixture=[(0, {'web': 0.9, "
                               f"'code': 0.1}})], …) (got inputs={inputs!r})")
-        return open_stream(inputs, **kwargs)
+        return open_single(inputs, **kwargs)
     return open_mixture(inputs, mixture=mixture, **kwargs)
 
 
@@ -65,7 +65,7 @@ def open_mixture(inputs: Mapping, *, mixture: Sequence | None, batch_size: int,
                  rank: int | None = None, world_size: int | None = None,
                  num_workers: int | str = "auto", **kwargs: Any) -> MixedStreamLoader:
     """A MixedStreamLoader: each source a StreamLoader of batch size 1 (the other keywords are
-    ``open_stream``'s); the workers are shared among the sources (at least one each)."""
+    ``open_single``'s); the workers are shared among the sources (at least one each)."""
     mix, items = mixture_of(inputs, mixture)
     batch_size = check_int("batch_size", batch_size, minimum=1)
     rank, world_size = resolve_rank(check_int("rank", rank, minimum=0, optional=True),
@@ -75,7 +75,7 @@ def open_mixture(inputs: Mapping, *, mixture: Sequence | None, batch_size: int,
     sources: list[StreamLoader] = []
     try:
         for item in items:
-            sources.append(open_stream(item, batch_size=1, rank=0, world_size=1,
+            sources.append(open_single(item, batch_size=1, rank=0, world_size=1,
                                        num_workers=each, **kwargs))
         same = [(a, b) for i, a in enumerate(sources) for b in sources[:i]
                 if a.store_path == b.store_path]

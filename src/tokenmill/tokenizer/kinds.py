@@ -37,6 +37,7 @@ import numpy as np
 import xxhash
 
 from tokenmill.base.errors import ConfigError, TokenizerError, require
+from tokenmill.base.io import atomic_write_bytes
 from tokenmill.tokenizer.fastbpe import ENGINE_CHOICES, NoFastPath, choose_engine, encode_np, scrub
 from tokenmill.tokenizer.files import TokenizerFile, openai_params, parse_ranks, resolve
 
@@ -158,9 +159,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, *, out_path: str | os.PathL
                                   show_progress=False)
     tok.train_from_iterator(texts, trainer)
     out_path = os.fspath(out_path)
-    tmp = f"{out_path}.tmp-{os.getpid()}"
-    tok.save(tmp)
-    os.replace(tmp, out_path)
+    atomic_write_bytes(out_path, tok.to_str(pretty=True).encode())  # the bytes tok.save writes
     return out_path
 
 
@@ -421,11 +420,6 @@ class HFTokenizer:
                                  f"(tokenizer_config.json / generation_config.json) is not in its "
                                  f"vocabulary; pass {what}='…'")
         return token_id
-
-    @property
-    def fallback_reason(self) -> str | None:
-        """Why faster engines were refused, in one line; None if the fastest one runs."""
-        return "; ".join(self.engine_notes) or None
 
     @property
     def tiktoken_encoding(self):
