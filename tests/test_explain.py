@@ -306,3 +306,23 @@ def test_explain_refuses_what_it_cannot_know_in_one_line(run, capsys, tmp_path):
     assert refusal(capsys, a, "--state", stream, "--step", 0) == (
         f"{stream}: a streaming loader's state (mode 'stream'); explain explains a Loader over "
         "stores: pass a Loader's state")
+
+
+def test_a_packed_row_no_document_reached_is_shown_as_padding(tmp_path):
+    # 2-token documents at seq_len 1 fill a row each and the plan allots about twice as many
+    # rows: the rest are all padding. explain said nothing of them (each row's pieces printed)
+    from conftest import write_positional_store
+    store = write_positional_store(tmp_path / "s", [2] * 300)
+    with Loader(store, seq_len=1, batch_size=8, layout="packed", num_workers=0) as ld:
+        origins = ld.explain(0)
+    empty = [o for o in origins if not o.pieces]
+    assert empty and len(origins) == 8
+    code, out, err = tm("explain", store, "--step", 0, "--seq-len", 1, "--batch-size", 8,
+                        "--layout", "packed", "--seed", 0, "--world-size", 1,
+                        "--max-segments", "none")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 8  # one a row: its one document, or that it is padding
+    for o in empty:
+        assert f"row {o.row}  sample {o.position:,}  store" in "\n".join(
+            line for line in lines if "padding only: no document in this row" in line)

@@ -486,10 +486,7 @@ def run_explain(args) -> int:
         if args.state:
             same_run(state, loader.describe(), loader.fingerprint, args.state)
         for o in loader.explain(args.step):
-            for p in o.pieces:
-                print(f"row {o.row}  sample {o.position:,}  store {o.store}  draw {o.draw:,}  "
-                      f"shard {p.shard}  document {p.document:,} ({p.shard_document:,} in its "
-                      f"shard)  tokens {p.token_offset:,}+{p.tokens}  {p.source}")
+            print("\n".join(o.lines()))
     return 0
 
 

@@ -66,6 +66,15 @@ class RowOrigin(NamedTuple):
     draw: int
     pieces: tuple[Piece, ...]
 
+    def lines(self) -> list[str]:
+        """What ``tokenmill explain`` prints: a line per piece, or one saying the row is all
+        padding (a packed row no document reached)."""
+        head = f"row {self.row}  sample {self.position:,}  store {self.store}  draw {self.draw:,}  "
+        if not self.pieces:
+            return [head + "padding only: no document in this row"]
+        return [head + f"shard {p.shard}  document {p.document:,} ({p.shard_document:,} in its "
+                f"shard)  tokens {p.token_offset:,}+{p.tokens}  {p.source}" for p in self.pieces]
+
 
 def source_name(file: str, line: int, kind: str | None) -> str:
     """How a document's origin is shown, from what the store records (``kind``: what ``line``
