@@ -21,6 +21,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, Iterator, Mapping
 
 import numpy as np
@@ -34,12 +35,14 @@ from tokenmill.load.mixture import described_phases
 from tokenmill.load.options import LoaderOptions
 from tokenmill.load.pacing import Pacer
 from tokenmill.load.packplan import packing_name
-from tokenmill.load.plan import STATE_VERSION, BatchPlan, LayoutConfig, global_positions, resolve_rank
+from tokenmill.load.plan import BatchPlan, LayoutConfig, fingerprint_of, global_positions, \
+    resolve_rank
 from tokenmill.base.procs import resolve_workers, usable_cores
 from tokenmill.load.provenance import RowOrigin, explain_positions
 from tokenmill.load.ranks import CheckedFirst, agree
-from tokenmill.load.resume import Difference, consumed_from, report
+from tokenmill.load.resume import consumed_from, report
 from tokenmill.load.ring import Ring, memory_plan
+from tokenmill.load.state import STATE_VERSION, Difference, respelled
 from tokenmill.store.reader import TokenStore
 from tokenmill.streaming import open_stream
 from tokenmill.load.workers import ProcessPool
@@ -424,11 +427,25 @@ class Loader(OneIterator):
         """Continue from ``state``; refuses a state from other stores or another layout/seed, a
         past mixture phase edited, and a ``consumed_samples`` that is not an int in [0, 2**63)
         (numpy integers are fine), saying what differs."""
-        consumed = consumed_from(state, self.describe(), self.fingerprint)
+        consumed = consumed_from(state, self.describe(), self.fingerprint,
+                                 also=self._respelled_fingerprint(state))
         self._retire(f"this Loader's state was loaded (load_state_dict, or a new pass of a "
                      f"wrapper such as to_torch) after this iterator was made; iterate again to "
                      f"continue from consumed_samples={consumed:,}")
         self._consumed = consumed
+
+    def _respelled_fingerprint(self, state: Mapping[str, Any]) -> tuple[str, ...]:
+        """This stream's fingerprint under the state's spelling of its fixed weights when that
+        is another (``{a: 0.9, b: 0.1}`` saved, ``{a: 9, b: 1}`` now: the same draws)."""
+        saved = state.get("stream") if isinstance(state, Mapping) else None
+        mix = self.plan.mixture
+        weights = respelled(saved.get("weights"), mix.weights) \
+            if isinstance(saved, Mapping) and not mix.named else None
+        if weights is None:
+            return ()
+        plan = fingerprint_of(self.plan.sources, replace(mix, phases=((0, weights),)),
+                              self.config)
+        return (balanced_fingerprint(plan, self.balance),)
 
     @property
     def consumed_samples(self) -> int:
