@@ -44,7 +44,6 @@ from tokenmill.load.resume import consumed_from, report
 from tokenmill.load.ring import Ring, memory_plan
 from tokenmill.load.state import STATE_VERSION, Difference, respelled
 from tokenmill.store.reader import TokenStore
-from tokenmill.streaming import open_stream
 from tokenmill.load.workers import ProcessPool
 
 __all__ = ["Loader", "LoaderOptions", "StaleIterator", "memory_plan"]
@@ -119,24 +118,6 @@ class Loader(OneIterator):
         self._pool = None
         self._ring = Ring(lambda: self.plan.new_buffers(self.batch_size), size=self.prefetch + 2)
 
-    @classmethod
-    def from_text(cls, inputs, *, tokenizer: str = "bytes", seq_len: int, batch_size: int,
-                  cache_dir: str | os.PathLike, seed: int = 0, rank: int | None = None,
-                  world_size: int | None = None, num_workers: int | str = "auto",
-                  shuffle_buffer: int | None = None, **options: Any):
-        """Streaming mode: batches straight from raw text, no prepare step (a StreamLoader).
-
-        Worker processes tokenize ``inputs`` as batches are needed; the first pass is shuffled
-        through a buffer of ``shuffle_buffer`` samples and cached as a store under ``cache_dir``,
-        which later epochs read. ``layout="packed"`` (with ``max_segments``, ``pack_window``)
-        packs documents window by window; ``inputs`` may be named sources with ``mixture=``
-        phases, or ``{inputs: weight}`` (a MixedStreamLoader). Other ``options`` are
-        ``prepare``'s (text_key, shard_tokens, …). See docs/streaming.md.
-        """
-        return open_stream(inputs, tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size,
-                            cache_dir=cache_dir, seed=seed, rank=rank, world_size=world_size,
-                            num_workers=num_workers, shuffle_buffer=shuffle_buffer, **options)
-
     # ---- the stream -------------------------------------------------------------------------
 
     @property
@@ -189,11 +170,15 @@ class Loader(OneIterator):
         """A new pass, as ``iter(loader)``; with ``view`` (e.g. ``torch.from_numpy``) it hands
         out ``view(array)`` for each batch array instead — no copy, and a buffer is reused only
         once nothing outside holds it or a view of it — for this pass only."""
-        token = self._new_iteration()
+        batches = super().__iter__()  # not started yet
         self._ring.set_view(view)  # after the retire: no batch of the last pass is in flight
+        return batches
+
+    def _pass(self, token: Iteration) -> CheckedFirst:
+        """The pass's batches: inline, ahead on workers, or paced between the two."""
         batches = self._paced(token) if self.pacer else \
             self._inline(token) if self.num_workers == 0 else self._ahead(token)
-        return Pass(token, CheckedFirst(self.check_ranks, batches))
+        return CheckedFirst(self.check_ranks, batches)
 
     def check_ranks(self) -> None:
         """Refuse, on every rank at once, a loader whose batch-shaping settings or position
@@ -429,9 +414,7 @@ class Loader(OneIterator):
         (numpy integers are fine), saying what differs."""
         consumed = consumed_from(state, self.describe(), self.fingerprint,
                                  also=self._respelled_fingerprint(state))
-        self._retire(f"this Loader's state was loaded (load_state_dict, or a new pass of a "
-                     f"wrapper such as to_torch) after this iterator was made; iterate again to "
-                     f"continue from consumed_samples={consumed:,}")
+        self._loaded(consumed, "load_state_dict, or a new pass of a wrapper such as to_torch")
         self._consumed = consumed
 
     def _respelled_fingerprint(self, state: Mapping[str, Any]) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from tokenmill.load import pack
-from tokenmill.base.errors import ConfigError, StaleIterator, check_int
+from tokenmill.base.errors import ConfigError, check_int
 from tokenmill.load.lifetime import Iteration, OneIterator
 from tokenmill.load.plan import LayoutConfig, resolve_rank
 from tokenmill.load.ranks import CheckedFirst, agree
@@ -135,10 +135,9 @@ class StreamLoader(OneIterator):
             raise TypeError("steps per epoch are unknown until the first pass over the text ends")
         return self._pass_samples // self.global_batch_size
 
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        """Batches from the current position. An earlier iterator raises StaleIterator at its
-        next ``next()`` (never ends quietly) once the loader is iterated again, loaded or closed."""
-        return CheckedFirst(self.check_ranks, self._batches(self._new_iteration()))
+    def _pass(self, token: Iteration) -> CheckedFirst:
+        """The pass's batches, after the ranks agree."""
+        return CheckedFirst(self.check_ranks, self._batches())
 
     def check_ranks(self) -> None:
         """Refuse, on every rank at once, settings or a position that differ from another
@@ -147,10 +146,8 @@ class StreamLoader(OneIterator):
                     "fingerprint": self.fingerprint, "consumed_samples": self._consumed}
         agree("stream loader", settings, rank=self.rank, world_size=self.world_size)
 
-    def _batches(self, token: Iteration) -> Iterator[dict[str, np.ndarray]]:
+    def _batches(self) -> Iterator[dict[str, np.ndarray]]:
         while True:
-            if token.why is not None:
-                raise StaleIterator(token.why)
             if self._error is not None:
                 raise self._error
             if self._producer[0] is None:
@@ -222,8 +219,7 @@ class StreamLoader(OneIterator):
         or shuffle_buffer, and one whose resume_from or pass_samples contradicts this stream."""
         k, n, hint = check_state(state, self._plan)
         self._stop_producer()
-        self._retire("this loader's state was loaded (load_state_dict) after this iterator was "
-                     "made; make a new iterator (iter(loader)) to continue from there")
+        self._loaded(k)
         self._consumed, self._pass_samples, self._hint = k, n, hint
         self._error = None
 

@@ -34,7 +34,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from tokenmill.load import sampler
-from tokenmill.base.errors import ConfigError, StaleIterator, check_int
+from tokenmill.base.errors import ConfigError, check_int
 from tokenmill.load.mixture import Mixture, described_phases, mixture_of
 from tokenmill.load.plan import resolve_rank
 from tokenmill.load.lifetime import Iteration, OneIterator
@@ -152,9 +152,9 @@ class MixedStreamLoader(OneIterator):
         raise TypeError("a mixture of text streams has no epoch length: its sources' passes "
                         "end at different steps")
 
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        """Batches from the current position; an earlier iterator raises StaleIterator."""
-        return CheckedFirst(self.check_ranks, self._batches(self._new_iteration()))
+    def _pass(self, token: Iteration) -> CheckedFirst:
+        """The pass's batches, after the ranks agree."""
+        return CheckedFirst(self.check_ranks, self._batches())
 
     def check_ranks(self) -> None:
         """Refuse, on every rank at once, settings or a position that differ from another
@@ -169,12 +169,10 @@ class MixedStreamLoader(OneIterator):
         super()._retire(why)
         self._iters = [None] * len(self.sources)  # the sources' iterators of the retired one
 
-    def _batches(self, token: Iteration) -> Iterator[dict[str, np.ndarray]]:
+    def _batches(self) -> Iterator[dict[str, np.ndarray]]:
         GB, B = self.global_batch_size, self.batch_size
         lo = self.rank * B
         while True:
-            if token.why is not None:
-                raise StaleIterator(token.why)
             if self._error is not None:
                 raise self._error
             k = self._consumed
@@ -238,8 +236,7 @@ class MixedStreamLoader(OneIterator):
             for s, old in zip(self.sources, before):
                 s.load_state_dict(old)
             raise
-        self._retire("this loader's state was loaded (load_state_dict) after this iterator was "
-                     "made; make a new iterator (iter(loader)) to continue from there")
+        self._loaded(k)
         self._consumed, self._error = k, None
         self._states = [s.state_dict() for s in self.sources]
 
