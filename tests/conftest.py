@@ -80,6 +80,42 @@ def write_positional_store(path: Path, lengths, *, shard_tokens: int = 1 << 30, 
                              shard_tokens=shard_tokens)
 
 
+MIX_NAMES = ("web", "code", "math")
+MIX_OFFSET = 1_000_000  # store i's tokens are i·MIX_OFFSET + position: a row names its store
+MIX_PHASES = [(0, {"web": 0.9, "code": 0.1}), (40, {"web": 0.6, "code": 0.3, "math": 0.1}),
+              (100, {"code": 0.5, "math": 0.5})]
+MIX_EDITS = {  # edits of MIX_PHASES' future: the first sample each one changes, the phases
+    "reweigh": (100, MIX_PHASES[:2] + [(100, {"web": 1.0})]),
+    "move": (100, MIX_PHASES[:2] + [(120, MIX_PHASES[2][1])]),
+    "add": (200, MIX_PHASES + [(200, {"web": 0.2, "math": 0.8})]),
+}
+
+
+def mixture_stores(root: Path) -> dict[str, str]:
+    """Three positional stores by name (``MIX_NAMES``, tokens offset by ``MIX_OFFSET`` a store)
+    of about 86, 36 and 24 concat samples of seq_len 8: a mixture of them (``MIX_PHASES``)
+    crosses phases and epochs within a few dozen steps of 4 samples."""
+    sizes = {"web": 700, "code": 300, "math": 200}
+    return {n: str(write_positional_store(
+        root / n, lengths_summing_to(sizes[n], docs=sizes[n] // 12, longest=20, seed=i),
+        offset=i * MIX_OFFSET)) for i, n in enumerate(MIX_NAMES)}
+
+
+def mixture_loader(stores, *, mixture=MIX_PHASES, layout="concat", rank=0, world_size=1):
+    """A Loader over ``mixture_stores`` with ``mixture`` phases: seq_len 8, seed 7, a global batch
+    of 4 samples split over ``world_size`` ranks, batches assembled inline."""
+    from tokenmill import Loader
+    return Loader(stores, seq_len=8, batch_size=4 // world_size, layout=layout, seed=7,
+                  rank=rank, world_size=world_size, num_workers=0, mixture=mixture)
+
+
+def mixture_batches(stores, steps=60, **kw) -> list[dict]:
+    """The first ``steps`` batches of a ``mixture_loader`` (60: all three phases of
+    ``MIX_PHASES``, and more than one epoch of "code" and "math")."""
+    with mixture_loader(stores, **kw) as ld:
+        return take(ld, steps)
+
+
 def write_sparse_store(out: Path, shard_lengths: list) -> Path:
     """A store of uint16 zeros, one shard per array of document lengths, its .bin files sparse
     (no blocks written) and checksums placeholders: open it with verify="off"."""

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from conftest import lengths_summing_to, run_guide, same, take, write_positional_store
-from tokenmill.base.errors import ConfigError, StoreError
+from tokenmill.base.errors import ConfigError, StaleIterator, StoreError
 from tokenmill.integrations.torch import TokenDataset, TorchBatches, to_torch
 from tokenmill.load.loader import Loader
 
@@ -260,6 +260,31 @@ def test_a_second_pass_continues_after_the_last_batch_handed_out(store):
     second = [b for _, b in zip(range(4), batches)]
     batches._ops.drain()
     assert same(first + second, expected(loader, 9))
+
+
+@pytest.mark.parametrize("ops", [None, "fake"])
+def test_a_superseded_pass_raises_stale_iterator_as_the_loaders_own_does(store, ops):
+    # before: with batches in flight the superseded pass ended quietly (a bare return), and on
+    # CPU it raised the loader's "state was loaded" instead of the wrapper's own "iterated again"
+    with Loader(store, seq_len=L, batch_size=4, seed=6) as loader:
+        first = iter(loader)
+        take(first, 2)
+        iter(loader)
+        with pytest.raises(StaleIterator) as want:
+            next(first)
+    loader = Loader(store, seq_len=L, batch_size=4, seed=6)
+    with TorchBatches(loader, torch.device("cpu"), ops=FakeDevice() if ops else None,
+                      depth=3) as batches:
+        first = iter(batches)
+        take(first, 2)  # handed out; on the fake device three more are in flight
+        second = iter(batches)
+        with pytest.raises(StaleIterator) as got:
+            next(first)
+        assert str(got.value) == str(want.value)  # "… iterated again … consumed_samples=8. …"
+        held = [b for _, b in zip(range(3), second)]
+        if ops:
+            batches._ops.drain()  # the fake device's copies run now
+        assert same(take(held), expected(loader, 3, start=8))  # the new pass goes on from there
 
 
 @pytest.mark.filterwarnings("ignore:.*pin_memory")  # no accelerator on CI

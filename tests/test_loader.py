@@ -571,7 +571,7 @@ def test_stores_of_different_tokenizers_are_not_mixed(tmp_path, real_texts, bpe_
 def test_a_bad_consumed_samples_is_refused_at_load_showing_the_value(store, bad):
     import re
     with Loader(store, seq_len=L, batch_size=4, rank=0, world_size=1) as ld:
-        with pytest.raises(ConfigError, match=re.escape(f"got {bad!r} of type {type(bad).__name__})")):
+        with pytest.raises(ConfigError, match=re.escape(f"(got consumed_samples={bad!r}")):
             ld.load_state_dict({**ld.state_dict(), "consumed_samples": bad})
         assert ld.consumed_samples == 0  # refused: nothing changed
 

@@ -39,10 +39,7 @@ STOPS = ("stop", "reiter", "rewind")  # in-process; "kill9" only where a scenari
 # Failures the fuzzer found that are not fixed yet: ``draw`` leaves them out (each has a fixed
 # scenario in tests/faults/test_resume_fuzz.py, expected to fail until fixed); remove a name
 # here when its fix lands.
-KNOWN_FAILURES = frozenset({
-    "respelled fixed weights",  # {a: 0.9, b: 0.1} → {a: 9, b: 1}: refused, "weights differ"
-    "respelled stream phases",  # Loader.from_text(mixture=): a respelled past phase refused
-})
+KNOWN_FAILURES: frozenset[str] = frozenset()
 # The settings a resume may not change, and the change tried (the refusal must name the key)
 UNSAFE = {"seq_len": lambda v: v // 2, "seed": lambda v: v + 1,
           "layout": lambda v: {"concat": "packed", "packed": "concat"}[v],

@@ -139,8 +139,10 @@ def check_int(name: str, value: object, *, minimum: int, maximum: int | None = N
         return int(value)
     if maximum is None:
         bound = f">= {minimum}"
-    elif (maximum + 1) & maximum == 0 and maximum > 1:  # 2**64 - 1 reads as "[0, 2**64)"
+    elif (maximum + 1) & maximum == 0 and maximum >= 1 << 16:  # 2**64 - 1: "[0, 2**64)"
         bound = f"in [{minimum}, 2**{maximum.bit_length()})"
+    elif maximum & (maximum - 1) == 0 and maximum >= 1 << 16:  # 2**62: "[1, 2**62]"
+        bound = f"in [{minimum}, 2**{maximum.bit_length() - 1}]"
     else:
         bound = f"in [{minimum}, {maximum}]"
     also = "".join(f" or {x}" for x in (or_else, "None" if optional else None) if x)

@@ -83,10 +83,8 @@ class JaxBatches(AheadOfLoader):
                 "Loader(..., rank=jax.process_index(), world_size=jax.process_count()) for a "
                 "mesh whose batch axis spans all processes")
 
-    def __iter__(self) -> Iterator[dict[str, jax.Array]]:
-        return self._batches(self._begin())
-
-    def _batches(self, token) -> Iterator[dict[str, jax.Array]]:
+    def _pass(self, token) -> Iterator[dict[str, jax.Array]]:
+        """The pass's global arrays, ``depth`` transfers ahead."""
         ahead: deque[tuple[dict[str, jax.Array], int]] = deque()
         source = iter(self.loader)
         while True:
@@ -96,8 +94,7 @@ class JaxBatches(AheadOfLoader):
             if not ahead:
                 return
             arrays, consumed = ahead.popleft()
-            if not self._hand_out(token, consumed):
-                return
+            self._hand_out(token, consumed)
             yield arrays
 
     def _put(self, arrays: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:

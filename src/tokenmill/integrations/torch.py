@@ -157,10 +157,10 @@ class TorchBatches(AheadOfLoader):
         self._ops = ops
         self._slots: list[_Slot] = []  # depth + 1: the oldest is refilled while depth are in flight
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        token = self._begin()
+    def _pass(self, token) -> Iterator[dict[str, torch.Tensor]]:
+        """The pass's tensors: the loader's own on CPU (no copy), else copied to the device."""
         if self._cpu:  # no batch in flight: the loader's own iterator, handing out tensors
-            return self.loader.iterate(view=torch.from_numpy)  # no copy
+            return self._handed(token, self.loader.iterate(view=torch.from_numpy))  # no copy
         if self._ops is None:
             return self._direct(token)
         return self._pipelined(token)
@@ -175,6 +175,13 @@ class TorchBatches(AheadOfLoader):
             return self.loader.state_dict()
         return super().state_dict()
 
+    def _handed(self, token, batches: Iterator) -> Iterator[dict[str, torch.Tensor]]:
+        """``batches`` of the loader, each counted as handed out by the pass ``token``."""
+        for tensors in batches:
+            self._hand_out(token, self.loader.consumed_samples)
+            yield tensors
+            del tensors  # the loader reuses a buffer only once nothing holds a view of it
+
     def _numpy(self) -> Iterator[tuple[dict[str, np.ndarray], int]]:
         """The loader's batches, each with the consumed_samples count once it is handed out."""
         for arrays in self.loader:
@@ -187,8 +194,7 @@ class TorchBatches(AheadOfLoader):
             tensors = {k: torch.from_numpy(a).to(self.device) for k, a in arrays.items()}
             if self._spans is not None:
                 self._spans("device copy", t0, time.perf_counter())
-            if not self._hand_out(token, consumed):
-                return
+            self._hand_out(token, consumed)
             yield tensors
 
     def _pipelined(self, token) -> Iterator[dict[str, torch.Tensor]]:
@@ -209,8 +215,7 @@ class TorchBatches(AheadOfLoader):
             ops.wait(event)
             for t in tensors.values():
                 ops.keep(t)
-            if not self._hand_out(token, consumed):
-                return
+            self._hand_out(token, consumed)
             yield tensors
 
     def _send(self, ops: _Device, arrays: Mapping[str, np.ndarray], n: int):

@@ -3,6 +3,6 @@
 ``balanced``, ``cpsplit``, ``seqlens``), the ``Loader`` and its workers, resume state,
 provenance, device prefetch.
 
-Nothing is imported here: ``streaming`` stands on load's modules, and ``load.loader`` (whose
-``Loader.from_text`` opens a stream) stands on ``streaming``.
+Nothing is imported here. ``streaming`` stands on load's modules; ``Loader.from_text``, which
+opens a stream, is wired by the public face (``tokenmill/__init__.py``).
 """

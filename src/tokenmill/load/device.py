@@ -8,38 +8,42 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from tokenmill.base.errors import check_int
+from tokenmill.base.errors import StaleIterator, check_int
+from tokenmill.load.lifetime import Iteration, OneIterator, Pass
 from tokenmill.load.loader import Loader
 
 __all__ = ["AheadOfLoader"]
 
 
-class AheadOfLoader:
+class AheadOfLoader(OneIterator):
     """Base of wrappers taking a Loader's batches ``depth`` ahead to a device (``to_torch``,
     ``to_jax``): their state counts only batches handed out (``_hand_out`` before each yield of
-    the pass ``_begin`` started), so resuming is exact; ``close()`` closes the loader too."""
+    a pass, ``_pass``), so resuming is exact; one live iterator, as the Loader's (an earlier one
+    raises StaleIterator); ``close()`` closes the loader too."""
 
     def __init__(self, loader: Loader, depth: int):
         self.loader, self.depth = loader, check_int("depth", depth, minimum=1)
         self._consumed = loader.consumed_samples
-        self._iterating: object | None = None
         self._spans = None  # record_spans: where "device copy" spans go, or None
+        self._finalizer = loader.close  # run by close()
 
     def __len__(self) -> int:
         """Steps per epoch, as the loader's."""
         return len(self.loader)
 
-    def _begin(self) -> object:
-        """Start a pass where the last batch handed out left off; its token."""
-        self.loader.load_state_dict(self.state_dict())  # drop what a previous pass took ahead
-        self._iterating = token = object()
-        return token
+    def __iter__(self) -> Pass:
+        """Batches from the last one handed out; an earlier iterator raises StaleIterator at its
+        next ``next()``."""
+        token = self._new_iteration()
+        self.loader.load_state_dict(self.state_dict())  # drop what the earlier pass took ahead
+        return Pass(token, self._pass(token))
 
-    def _hand_out(self, token: object, consumed: int) -> bool:
-        """Count a batch as handed out by the pass ``token``; False if that pass was stopped."""
-        if self._iterating is token:
-            self._consumed = consumed
-        return self._iterating is token
+    def _hand_out(self, token: Iteration, consumed: int) -> None:
+        """Count a batch as handed out by the pass ``token``; StaleIterator if that pass was
+        retired meanwhile (by another thread)."""
+        if not self._live(token):
+            raise StaleIterator(token.why or "this loader was iterated again, loaded or closed")
+        self._consumed = consumed
 
     def record_spans(self, sink) -> None:
         """Report stages as ``sink(name, start, end)``: the loader's, and "device copy" (a
@@ -56,18 +60,8 @@ class AheadOfLoader:
         return {**self.loader.state_dict(), "consumed_samples": int(self._consumed)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state`` (checked by the loader); an iterator from before stops."""
+        """Continue from ``state`` (checked by the loader); an iterator from before raises
+        StaleIterator at its next ``next()``."""
         self.loader.load_state_dict(state)
         self._consumed = self.loader.consumed_samples
-        self._iterating = None
-
-    def close(self) -> None:
-        """Close the loader; safe to call twice."""
-        self._iterating = None
-        self.loader.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        self._loaded(self._consumed)

@@ -1,20 +1,43 @@
-"""One live iterator per loader: a new ``iter()``, ``load_state_dict`` or ``close`` retires the
-earlier iterator, whose next ``next()`` raises StaleIterator — it never ends quietly, and never
-hands out a batch twice. Shared by the store ``Loader`` and the stream loaders::
+"""The contract of every batch stream, and its one live iterator.
+
+``BatchStream`` is what the store ``Loader``, ``StreamLoader``, ``MixedStreamLoader`` and the
+device wrappers (``device.AheadOfLoader``) all are: iterate from the current position, a small
+JSON-able ``state_dict``, ``load_state_dict`` to continue one exactly, ``close``.
+
+``OneIterator`` is how each of them keeps one live iterator: a new ``iter()``,
+``load_state_dict`` or ``close`` retires the earlier iterator, whose next ``next()`` raises
+StaleIterator — it never ends quietly, and never hands out a batch twice::
 
     class MyLoader(OneIterator):
-        def __iter__(self):
-            token = self._new_iteration()
-            return Pass(token, self._batches(token))   # or a generator checking token.why
+        def _pass(self, token):
+            return self._batches(token)   # a generator of this pass's batches
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping, Protocol, runtime_checkable
 
 from tokenmill.base.errors import StaleIterator
 
-__all__ = ["Iteration", "OneIterator", "Pass"]
+__all__ = ["BatchStream", "Iteration", "OneIterator", "Pass"]
+
+
+@runtime_checkable
+class BatchStream(Protocol):
+    """A stream of batches (dicts of arrays) that resumes exactly: the store ``Loader``, the
+    streaming loaders, the device wrappers."""
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Batches from the current position; an earlier iterator raises StaleIterator."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position, small and JSON-able: what ``load_state_dict`` continues from."""
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue exactly from ``state``, or a ConfigError saying what differs."""
+
+    def close(self) -> None:
+        """Release threads, processes and files; safe to call twice."""
 
 
 class Iteration:
@@ -62,13 +85,25 @@ class Pass:
 
 class OneIterator:
     """The lifetime of a loader: one live iterator (``_new_iteration``), retired by the next
-    ``iter()``, by ``_retire`` (``load_state_dict``) and by ``close``, which then runs
-    ``self._finalizer``. Subclasses keep ``_consumed`` (named in the messages)."""
+    ``iter()``, by ``_loaded`` (``load_state_dict``) and by ``close``, which then runs
+    ``self._finalizer``. Subclasses give a pass's batches (``_pass``) and keep ``_consumed``
+    (named in the messages)."""
 
     _closed = False
     _iterating: Iteration | None = None
     _consumed = 0
     _pickle_hint = ""  # what else to do instead of pickling it, for the message
+
+    def __iter__(self) -> Pass:
+        """Batches from the current position. An earlier iterator raises StaleIterator at its
+        next ``next()`` (never ends quietly) once the loader is iterated again, loaded or
+        closed."""
+        token = self._new_iteration()
+        return Pass(token, self._pass(token))
+
+    def _pass(self, token: Iteration) -> Iterator:
+        """The batches of the pass ``token`` stands for (a generator: closed at retirement)."""
+        raise NotImplementedError(f"{type(self).__name__} gives no _pass")
 
     def _new_iteration(self) -> Iteration:
         """The token of a new iterator, the earlier one retired."""
@@ -85,6 +120,12 @@ class OneIterator:
         """Whether ``token`` is still the live iterator's (not retired meanwhile by another
         thread)."""
         return self._iterating is token
+
+    def _loaded(self, consumed: int, how: str = "load_state_dict") -> None:
+        """Retire the live iterator: a state was loaded (``how``); the loader now stands at
+        ``consumed`` samples, where a new iterator continues."""
+        self._retire(f"this loader's state was loaded ({how}) after this iterator was made; "
+                     f"iterate again to continue from consumed_samples={consumed:,}")
 
     def _retire(self, why: str) -> None:
         token, self._iterating = self._iterating, None

@@ -21,6 +21,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, Iterator, Mapping
 
 import numpy as np
@@ -35,13 +36,14 @@ from tokenmill.load.mixture import described_phases
 from tokenmill.load.options import LoaderOptions, loader_prefetch, loader_workers
 from tokenmill.load.pacing import Pacer
 from tokenmill.load.packplan import packing_name
-from tokenmill.load.plan import STATE_VERSION, BatchPlan, LayoutConfig, global_positions, resolve_rank
+from tokenmill.load.plan import BatchPlan, LayoutConfig, fingerprint_of, global_positions, \
+    resolve_rank
 from tokenmill.load.provenance import RowOrigin, explain_positions
 from tokenmill.load.ranks import CheckedFirst, agree
-from tokenmill.load.resume import Difference, consumed_from, report
+from tokenmill.load.resume import consumed_from, report
 from tokenmill.load.ring import Ring, memory_plan
+from tokenmill.load.state import STATE_VERSION, Difference, respelled
 from tokenmill.store.reader import TokenStore
-from tokenmill.streaming import open_stream
 from tokenmill.load.workers import ProcessPool
 
 __all__ = ["Loader", "LoaderOptions", "StaleIterator", "memory_plan"]
@@ -123,24 +125,6 @@ class Loader(OneIterator):
         self._ring = Ring(self.lengths.new_buffers if self.lengths else
                           lambda: self.plan.new_buffers(self.batch_size), size=self.prefetch + 2)
 
-    @classmethod
-    def from_text(cls, inputs, *, tokenizer: str = "bytes", seq_len: int, batch_size: int,
-                  cache_dir: str | os.PathLike, seed: int = 0, rank: int | None = None,
-                  world_size: int | None = None, num_workers: int | str = "auto",
-                  shuffle_buffer: int | None = None, **options: Any):
-        """Streaming mode: batches straight from raw text, no prepare step (a StreamLoader).
-
-        Worker processes tokenize ``inputs`` as batches are needed; the first pass is shuffled
-        through a buffer of ``shuffle_buffer`` samples and cached as a store under ``cache_dir``,
-        which later epochs read. ``layout="packed"`` (with ``max_segments``, ``pack_window``)
-        packs documents window by window; ``inputs`` may be named sources with ``mixture=``
-        phases, or ``{inputs: weight}`` (a MixedStreamLoader). Other ``options`` are
-        ``prepare``'s (text_key, shard_tokens, …). See docs/streaming.md.
-        """
-        return open_stream(inputs, tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size,
-                            cache_dir=cache_dir, seed=seed, rank=rank, world_size=world_size,
-                            num_workers=num_workers, shuffle_buffer=shuffle_buffer, **options)
-
     # ---- the stream -------------------------------------------------------------------------
 
     @property
@@ -204,11 +188,15 @@ class Loader(OneIterator):
         """A new pass, as ``iter(loader)``; with ``view`` (e.g. ``torch.from_numpy``) it hands
         out ``view(array)`` for each batch array instead — no copy, and a buffer is reused only
         once nothing outside holds it or a view of it — for this pass only."""
-        token = self._new_iteration()
+        batches = super().__iter__()  # not started yet
         self._ring.set_view(view)  # after the retire: no batch of the last pass is in flight
+        return batches
+
+    def _pass(self, token: Iteration) -> CheckedFirst:
+        """The pass's batches: inline, ahead on workers, or paced between the two."""
         batches = self._paced(token) if self.pacer else \
             self._inline(token) if self.num_workers == 0 else self._ahead(token)
-        return Pass(token, CheckedFirst(self.check_ranks, batches))
+        return CheckedFirst(self.check_ranks, batches)
 
     def check_ranks(self) -> None:
         """Refuse, on every rank at once, a loader whose batch-shaping settings or position
@@ -448,13 +436,25 @@ class Loader(OneIterator):
         """Continue from ``state``; refuses a state from other stores or another layout/seed, a
         past mixture phase edited, and a ``consumed_samples`` that is not an int in [0, 2**63)
         (numpy integers are fine), saying what differs."""
-        consumed = consumed_from(state, self.describe(), self.fingerprint)
+        consumed = consumed_from(state, self.describe(), self.fingerprint,
+                                 also=self._respelled_fingerprint(state))
         if self.lengths:
             self.lengths.step(consumed)  # the first row of a step, or a ConfigError
-        self._retire(f"this Loader's state was loaded (load_state_dict, or a new pass of a "
-                     f"wrapper such as to_torch) after this iterator was made; iterate again to "
-                     f"continue from consumed_samples={consumed:,}")
+        self._loaded(consumed, "load_state_dict, or a new pass of a wrapper such as to_torch")
         self._consumed = consumed
+
+    def _respelled_fingerprint(self, state: Mapping[str, Any]) -> tuple[str, ...]:
+        """This stream's fingerprint under the state's spelling of its fixed weights when that
+        is another (``{a: 0.9, b: 0.1}`` saved, ``{a: 9, b: 1}`` now: the same draws)."""
+        saved = state.get("stream") if isinstance(state, Mapping) else None
+        mix = self.plan.mixture
+        weights = respelled(saved.get("weights"), mix.weights) \
+            if isinstance(saved, Mapping) and not mix.named else None
+        if weights is None:
+            return ()
+        plan = fingerprint_of(self.plan.sources, replace(mix, phases=((0, weights),)),
+                              self.config)
+        return (balanced_fingerprint(plan, self.balance),)
 
     @property
     def consumed_samples(self) -> int:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from tokenmill.base.errors import ConfigError, is_int, redact
 
-__all__ = ["Mixture", "described_phases", "mixture_of", "phases_from_text", "weights_from_text"]
+__all__ = ["Mixture", "described_phases", "is_weight", "mixture_of", "phases_from_text",
+           "weights_from_text"]
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,11 @@ class Mixture:
         return self.phases[0][1]
 
 
-def _is_weight(w) -> bool:
-    """A finite real number: int, float or a numpy one (not a bool)."""
+def is_weight(w) -> bool:
+    """A finite real number: int, float or a numpy one (not a bool).
+
+    is_weight(0.5) and is_weight(np.int8(3)) and not is_weight(True) and not is_weight(math.inf)
+    """
     return isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w)
 
 
@@ -59,7 +63,7 @@ def mixture_of(source, mixture: Sequence | None = None) -> tuple[Mixture, list]:
                 raise ConfigError(f"{{name: store}} needs mixture=[(0, {{{s!r}: 1.0, …}}), …] "
                                   f"(got {s!r}: {_name_of(w)!r} without mixture=); a "
                                   "{store: weight} mixture maps stores to numbers")
-            if not _is_weight(w) or w <= 0:
+            if not is_weight(w) or w <= 0:
                 raise ConfigError(f"mixture weights must be finite and > 0 (got {w!r} for {s})")
         names = tuple(_name_of(s) for s, _ in items)
         return Mixture(names, ((0, tuple(float(w) for _, w in items)),), False), \
@@ -99,7 +103,7 @@ def _phases(names: tuple[str, ...], mixture) -> tuple[tuple[int, tuple[float, ..
             if name not in names:
                 raise ConfigError(f"phase {i} (from sample {start:,}) names store {name!r}; "
                                   f"the stores are {list(names)}")
-            if not _is_weight(w) or w < 0:
+            if not is_weight(w) or w < 0:
                 raise ConfigError(f"phase {i} (from sample {start:,}): weight of {name!r} must "
                                   f"be finite and >= 0 (got {w!r})")
         if not any(weights.values()):

@@ -31,24 +31,22 @@ import xxhash
 
 from tokenmill.load import pack, sampler
 from tokenmill.base.arrays import by_value, distinct
-from tokenmill.base.errors import ConfigError, StoreError, check_int, is_int
+from tokenmill.base.errors import ConfigError, StoreError, check_int
 from tokenmill.base.io import FileId, file_id, redact
 from tokenmill.load.mixture import Mixture, mixture_of
 from tokenmill.load.packplan import PackedPlan, packing_name
 from tokenmill.load.rows import RowFiller, as_rows, as_slice, one_piece_starts
+from tokenmill.load.state import MAX_CONSUMED
 from tokenmill.store.format import MANIFEST, read_manifest
 from tokenmill.store.reader import TokenStore
 
 __all__ = [
-    "BatchPlan", "LAYOUTS", "LayoutConfig", "MAX_CONSUMED", "PlanSpec", "STATE_VERSION",
-    "SampleSource", "StoreIdentity", "batch_arrays", "batch_at", "check_identity", "check_tokenizers",
-    "consumed_of", "fingerprint_of", "global_positions", "identity_of", "open_sources",
-    "plan_from_spec", "resolve_rank",
+    "BatchPlan", "LAYOUTS", "LayoutConfig", "PlanSpec", "SampleSource", "StoreIdentity",
+    "batch_arrays", "batch_at", "check_identity", "check_tokenizers", "fingerprint_of",
+    "global_positions", "identity_of", "open_sources", "plan_from_spec", "resolve_rank",
 ]
 
-STATE_VERSION = 1  # of the Loader's state: {"version", "consumed_samples", "fingerprint"}
 LAYOUTS = ("concat", "packed")
-MAX_CONSUMED = (1 << 63) - 1  # consumed_samples and every global position are int64s
 WATCH_INTERVAL_S = 0.05  # how often BatchPlan.check_stores looks at the manifests (one stat each)
 
 
@@ -107,27 +105,6 @@ def global_positions(consumed: int, *, batch_size: int, rank: int, world_size: i
                           " the loader has reached the end of its range")
     return sampler.batch_positions(0, batch_size=batch_size, rank=rank, world_size=world_size,
                                    start=consumed)
-
-
-def consumed_of(state: Mapping, fingerprint: str, *, what: str = "loader") -> int:
-    """``consumed_samples`` of a saved state, checked once: version 1, this ``fingerprint``, and an
-    int in [0, 2**63) (numpy integers are fine; True, 1.0 and "8" are not); else ConfigError.
-
-    consumed_of({"version": 1, "consumed_samples": 8, "fingerprint": "f"}, "f") == 8
-    """
-    if not isinstance(state, Mapping) or not is_int(state.get("version")) or \
-            state.get("version") != STATE_VERSION:
-        raise ConfigError(f"unsupported loader state (want version {STATE_VERSION}): {state!r}")
-    if state.get("fingerprint") != fingerprint:
-        raise ConfigError(f"loader state fingerprint {state.get('fingerprint')!r} does not match "
-                          f"this {what}'s {fingerprint!r}: the stores, seq_len, layout, seed or "
-                          "mixture weights differ from the run that saved it")
-    consumed = state.get("consumed_samples")
-    if not is_int(consumed) or not 0 <= consumed <= MAX_CONSUMED:
-        raise ConfigError(f"consumed_samples must be an int in [0, 2**63) (got {consumed!r} of "
-                          f"type {type(consumed).__name__}); pass the state_dict() a loader saved, "
-                          "unchanged")
-    return int(consumed)
 
 
 # ---- one store seen through a layout ------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 import numpy as np
 import xxhash
 
-from tokenmill.base.errors import ConfigError
+from tokenmill.base.errors import ConfigError, is_int
 
 __all__ = ["CheckedFirst", "agree", "disagreement", "torch_dist"]
 
@@ -102,8 +102,7 @@ def encoded(settings: Mapping[str, Any]) -> np.ndarray:
     """
     out = []
     for value in settings.values():
-        if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and \
-                -2**31 <= value < 2**31:
+        if is_int(value) and -2**31 <= value < 2**31:
             out += [0, int(value)]
         else:
             text = json.dumps(value, sort_keys=True, default=str).encode()

@@ -19,16 +19,14 @@ assumed, and a state is only taken for the run whose stores and settings it reco
 from __future__ import annotations
 
 import json
-import operator
 import os
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping, Sequence
 
-from tokenmill.load import sampler
-from tokenmill.base.errors import ConfigError
-from tokenmill.load.plan import consumed_of
+from tokenmill.base.errors import ConfigError, is_int
+from tokenmill.load.state import Difference, consumed_of, phase_changes, respelled
 
-__all__ = ["Difference", "RUN_KEYS", "RUN_SETTINGS", "consumed_from", "differences", "explain", "read_state",
+__all__ = ["RUN_KEYS", "RUN_SETTINGS", "consumed_from", "differences", "explain", "read_state",
            "report", "run_settings", "same_run"]
 
 UNSAFE_KEYS = ("layout", "seq_len", "seed", "max_segments", "weights")
@@ -36,13 +34,6 @@ LEGACY_PACKING = "whole-store"  # what a packed state without a "packing" record
 SAFE_KEYS = ("batch_size", "world_size", "num_workers")
 RUN_SETTINGS = ("seq_len", "batch_size", "layout", "seed", "world_size")  # shape every batch
 RUN_KEYS = (*RUN_SETTINGS, "max_segments", "weights", "mixture")  # and those that may
-
-
-class Difference(NamedTuple):
-    """One way the saved stream and this loader's differ, and whether resuming stays exact."""
-
-    what: str
-    safe: bool
 
 
 def _short(fingerprint: Any) -> str:
@@ -61,37 +52,6 @@ def _stores(saved: list, now: list, named: bool) -> list[Difference]:
             for a, b in zip(saved, now) if a[1] != b[1]]
 
 
-def _canonical(weights: Mapping[str, float]) -> tuple:
-    """What a phase's weights draw: the stores in it and their rationalized numerators
-    ({"a": 0.9, "b": 0.1} and {"a": 9, "b": 1} are the same phase)."""
-    names = sorted(n for n, w in weights.items() if w > 0)
-    if not names:
-        return ()
-    return tuple(names), sampler.mixture_schedule([weights[n] for n in names]).numerators
-
-
-def _phases(saved: list, now: list, consumed: int) -> list[Difference]:
-    """Phase edits: safe when the phase starts at or after ``consumed``, refused otherwise."""
-    old = {int(start): dict(w) for start, w in saved}
-    new = {int(start): dict(w) for start, w in now}
-    order = {s: i for i, s in enumerate(sorted(old))} | {s: i for i, s in enumerate(sorted(new))}
-    out = []
-    for start in sorted(old.keys() | new.keys()):
-        o, n = old.get(start), new.get(start)
-        if o == n or (o is not None and n is not None and _canonical(o) == _canonical(n)):
-            continue
-        name = f"phase {order[start]} (from sample {start:,})"
-        change = ("was added" if o is None else "was removed" if n is None
-                  else f"changed {o} → {n}")
-        if start < consumed:
-            out.append(Difference(f"{name} {change}, but the run has consumed {consumed:,} "
-                                  "samples, past its start: only phases that start after the "
-                                  "checkpoint may change", False))
-        else:
-            out.append(Difference(f"{name} {change} (starts after the checkpoint)", True))
-    return out
-
-
 def differences(saved: Mapping[str, Any], now: Mapping[str, Any],
                 consumed: int) -> list[Difference]:
     """Every difference between a saved stream record and a loader's, unsafe ones first."""
@@ -103,7 +63,8 @@ def differences(saved: Mapping[str, Any], now: Mapping[str, Any],
     for key in UNSAFE_KEYS + SAFE_KEYS:
         if sched != (None, None) and key in ("seq_len", "batch_size"):
             continue  # a schedule's are per phase: the schedule is compared below
-        if key in saved and saved.get(key) != now.get(key):
+        if key in saved and saved.get(key) != now.get(key) and not (  # weights respelled: same
+                key == "weights" and now.get(key) and respelled(saved[key], now[key]) is not None):
             out.append(Difference(f"{key} {saved.get(key)} → {now.get(key)}", key in SAFE_KEYS or
                                   key == "max_segments" and now.get("layout") == "concat"))
     masks = saved.get("document_masks", False), now.get("document_masks", False)
@@ -125,7 +86,7 @@ def differences(saved: Mapping[str, Any], now: Mapping[str, Any],
     if "mixture" in saved and (was is None) != (new is None):
         out.append(Difference(f"mixture schedule {was} → {new}", False))
     elif was is not None and was != new:
-        out += _phases(was, new, consumed)
+        out += phase_changes(was, new, consumed)
     return sorted(out, key=lambda d: d.safe)
 
 
@@ -173,11 +134,8 @@ def report(state: Mapping[str, Any], stream: Mapping[str, Any],
             return []
         return [Difference(f"fingerprint {was} → {fingerprint} (the state records no more: the "
                            "stores, seq_len, layout, seed or weights differ)", False)]
-    try:
-        at = max(0, operator.index(state.get("consumed_samples")))
-    except TypeError:
-        at = 0  # consumed_of says what is wrong with it
-    return differences(saved, stream, at)
+    at = state.get("consumed_samples")  # consumed_of says what is wrong with one that is not
+    return differences(saved, stream, int(at) if is_int(at) and at > 0 else 0)
 
 
 def read_state(path: str | os.PathLike) -> dict:
@@ -199,18 +157,20 @@ def read_state(path: str | os.PathLike) -> dict:
     return state
 
 
-def consumed_from(state: Mapping[str, Any], stream: Mapping[str, Any], fingerprint: str) -> int:
-    """``consumed_samples`` of ``state`` if this loader (``stream``, ``fingerprint``) continues it
-    exactly; else ConfigError saying what differs and what would have been safe."""
+def consumed_from(state: Mapping[str, Any], stream: Mapping[str, Any], fingerprint: str, *,
+                  also: Sequence[str] = ()) -> int:
+    """``consumed_samples`` of ``state`` if this loader (``stream``, ``fingerprint``; ``also``:
+    its fingerprint under the state's spelling of its weights) continues it exactly; else
+    ConfigError saying what differs and what would have been safe."""
     saved = state.get("stream") if isinstance(state, Mapping) else None
     if isinstance(saved, Mapping):
         diffs = report(state, stream, fingerprint)
         if any(not d.safe for d in diffs):
             was = state.get("fingerprint")
-            also = "" if was == fingerprint else \
+            why = "" if was == fingerprint else \
                 f" (loader state fingerprint {was!r}, this loader's {fingerprint!r})"
-            raise ConfigError(f"cannot resume from this state: {explain(diffs)}{also}")
-    return consumed_of(state, fingerprint)
+            raise ConfigError(f"cannot resume from this state: {explain(diffs)}{why}")
+    return consumed_of(state, fingerprint, also=also)
 
 
 def run_settings(state: Mapping[str, Any], given: Mapping[str, Any], *, stores: int,

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from tokenmill.base.errors import ConfigError, is_int
+from tokenmill.base.errors import ConfigError, check_int
 
 __all__ = [
     "MAX_SEED",
@@ -152,9 +152,7 @@ def _permute(i: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
 
 
 def _check_n(n: int) -> int:
-    if not is_int(n) or not 1 <= n <= MAX_N:
-        raise ConfigError(f"n must be an int in [1, 2**62] (got {n=!r})")
-    return int(n)
+    return check_int("n", n, minimum=1, maximum=MAX_N)
 
 
 def _check_indices(indices: np.ndarray, n: int) -> np.ndarray:

@@ -26,19 +26,19 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from tokenmill.load import pack
-from tokenmill.base.errors import ConfigError, StaleIterator, check_int, is_int
+from tokenmill.base.errors import ConfigError, check_int
 from tokenmill.load.lifetime import Iteration, OneIterator
-from tokenmill.load.plan import MAX_CONSUMED, LayoutConfig, resolve_rank
+from tokenmill.load.plan import LayoutConfig, resolve_rank
 from tokenmill.load.ranks import CheckedFirst, agree
+from tokenmill.load.state import STATE_VERSION, consumed_of, count_of
 from tokenmill.prepare.pool import UNITS_PER_WORKER
 from tokenmill.prepare.tokenize import PrepareConfig
 from tokenmill.store.format import read_manifest
 from tokenmill.store.reader import TokenStore
 from tokenmill.streaming.cache import store_complete
 from tokenmill.streaming.order import look_ahead
-from tokenmill.streaming.plan import (STATE_VERSION, Cursor, OrderSettings, StreamPlan,
-                                      cursor_check, load_stream_tokenizer, plan_stream,
-                                      resolve_stream_workers)
+from tokenmill.streaming.plan import (Cursor, OrderSettings, StreamPlan, cursor_check,
+                                      load_stream_tokenizer, plan_stream, resolve_stream_workers)
 from tokenmill.streaming.producer import (READY_BATCHES, BatchSlice, Producer, StartAt, StepReady,
                                           StreamFailed, StreamStats)
 from tokenmill.streaming.rows import pass_length
@@ -135,10 +135,9 @@ class StreamLoader(OneIterator):
             raise TypeError("steps per epoch are unknown until the first pass over the text ends")
         return self._pass_samples // self.global_batch_size
 
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        """Batches from the current position. An earlier iterator raises StaleIterator at its
-        next ``next()`` (never ends quietly) once the loader is iterated again, loaded or closed."""
-        return CheckedFirst(self.check_ranks, self._batches(self._new_iteration()))
+    def _pass(self, token: Iteration) -> CheckedFirst:
+        """The pass's batches, after the ranks agree."""
+        return CheckedFirst(self.check_ranks, self._batches())
 
     def check_ranks(self) -> None:
         """Refuse, on every rank at once, settings or a position that differ from another
@@ -147,10 +146,8 @@ class StreamLoader(OneIterator):
                     "fingerprint": self.fingerprint, "consumed_samples": self._consumed}
         agree("stream loader", settings, rank=self.rank, world_size=self.world_size)
 
-    def _batches(self, token: Iteration) -> Iterator[dict[str, np.ndarray]]:
+    def _batches(self) -> Iterator[dict[str, np.ndarray]]:
         while True:
-            if token.why is not None:
-                raise StaleIterator(token.why)
             if self._error is not None:
                 raise self._error
             if self._producer[0] is None:
@@ -222,8 +219,7 @@ class StreamLoader(OneIterator):
         or shuffle_buffer, and one whose resume_from or pass_samples contradicts this stream."""
         k, n, hint = check_state(state, self._plan)
         self._stop_producer()
-        self._retire("this loader's state was loaded (load_state_dict) after this iterator was "
-                     "made; make a new iterator (iter(loader)) to continue from there")
+        self._loaded(k)
         self._consumed, self._pass_samples, self._hint = k, n, hint
         self._error = None
 
@@ -238,26 +234,18 @@ def _shutdown(holder: list) -> None:
 def check_state(state: Mapping[str, Any],
                 plan: StreamPlan) -> tuple[int, int | None, Cursor | None]:
     """(consumed_samples, pass_samples, resume_from) of a stream state, checked against the plan."""
-    if (not isinstance(state, Mapping) or state.get("version") != STATE_VERSION
-            or state.get("mode") != "stream"):
-        raise ConfigError(f"unsupported stream loader state (want version {STATE_VERSION}, "
-                          f"mode 'stream'): {state!r}")
-    if state.get("fingerprint") != plan.fingerprint:
-        raise ConfigError(f"loader state fingerprint {state.get('fingerprint')!r} does not "
-                          f"match this loader's {plan.fingerprint!r}: " + what_differs(
-                              state.get("settings"), plan.order_settings,
-                              "the inputs (or their sizes/times), tokenizer or options"))
-    k, n = state.get("consumed_samples"), state.get("pass_samples")
-    if not (is_int(k) and 0 <= k <= MAX_CONSUMED) or not (n is None or is_int(n) and n > 0):
-        raise ConfigError(f"consumed_samples must be an int in [0, 2**63) and pass_samples None "
-                          f"or an int > 0 (got consumed_samples={k!r}, pass_samples={n!r})")
+    settings = state.get("settings") if isinstance(state, Mapping) else None
+    k = consumed_of(state, plan.fingerprint, mode="stream", kind="stream loader",
+                    differs=what_differs(settings, plan.order_settings, "the inputs (or their "
+                                         "sizes/times), tokenizer or options"))
+    n = count_of("pass_samples", state.get("pass_samples"), minimum=1, optional=True)
     if n is not None and store_complete(plan):
         have = pass_samples_of(plan)
         if have != n:
             raise ConfigError(f"pass_samples={n} in the loaded state does not match the pass, "
                               f"which holds {have:,} windows (cache store {plan.store_dir}): the "
                               "state was edited or comes from another run")
-    return int(k), None if n is None else int(n), check_cursor(state.get("resume_from"), plan)
+    return k, n, check_cursor(state.get("resume_from"), plan)
 
 
 def what_differs(saved: Any, order: OrderSettings, others: str) -> str:
@@ -282,11 +270,8 @@ def check_cursor(resume: Any, plan: StreamPlan) -> Cursor | None:
     if resume is None or not isinstance(resume, Mapping) or "check" not in resume:
         return None  # no check: nothing ties it to this pass, so it is not even range-checked
     fields = CURSOR_FIELDS if plan.packed else CURSOR_FIELDS[:3]
-    values = tuple(resume.get(f) for f in fields)
-    if (not all(is_int(x) and x >= 0 for x in values) or values[0] > len(plan.units)):
-        raise ConfigError(f"resume_from must hold ints >= 0 {fields} with unit <= "
-                          f"{len(plan.units)} (got resume_from={resume!r})")
-    cursor = Cursor(*map(int, values))
+    cursor = Cursor(*(count_of(f"resume_from[{f!r}]", resume.get(f),
+                               maximum=len(plan.units) if f == "unit" else None) for f in fields))
     if resume["check"] != cursor_check(plan.fingerprint, cursor):
         raise ConfigError(f"resume_from={dict(resume)!r} does not match its check: it was edited "
                           "or mixed from another state, and would replay the wrong tokens; "

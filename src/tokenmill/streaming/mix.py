@@ -34,13 +34,16 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from tokenmill.load import sampler
-from tokenmill.base.errors import ConfigError, StaleIterator, check_int, is_int
+from tokenmill.base.errors import ConfigError, check_int
 from tokenmill.load.mixture import Mixture, described_phases, mixture_of
-from tokenmill.load.plan import MAX_CONSUMED, resolve_rank
+from tokenmill.load.plan import resolve_rank
 from tokenmill.load.lifetime import Iteration, OneIterator
 from tokenmill.load.ranks import CheckedFirst, agree
+from tokenmill.load.resume import explain
+from tokenmill.load.state import STATE_VERSION, consumed_of, phase_changes, phases_of, respelled, \
+    same_weights
 from tokenmill.streaming.loader import StreamLoader, open_single, what_differs
-from tokenmill.streaming.plan import STATE_VERSION, digest, resolve_stream_workers
+from tokenmill.streaming.plan import digest, resolve_stream_workers
 from tokenmill.streaming.producer import READY_BATCHES
 from tokenmill.streaming.rows import new_batch
 
@@ -118,10 +121,7 @@ class MixedStreamLoader(OneIterator):
         self.config = sources[0].config
         self.rank, self.world_size, self.batch_size = rank, world_size, batch_size
         self.epochs = self.total_steps = None  # streams run until you stop
-        core = {"mixture": [[n, s.fingerprint] for n, s in zip(self.names, sources)]}
-        if not mix.named:  # fixed weights are part of the stream; named phases are compared apart
-            core["weights"] = list(mix.weights)
-        self.fingerprint = digest(core)[:16]
+        self.fingerprint = self._fingerprint(None if mix.named else mix.weights)
         for s in sources:  # one global batch may take all of its rows from one source
             s.ready_batches = max(READY_BATCHES, 4 * self.global_batch_size)
         self._consumed = 0
@@ -129,6 +129,14 @@ class MixedStreamLoader(OneIterator):
         self._iters: list[Iterator | None] = [None] * len(sources)
         self._error: BaseException | None = None
         self._finalizer = weakref.finalize(self, _close_all, list(sources))
+
+    def _fingerprint(self, weights: Sequence[float] | None) -> str:
+        """Hash of the sources (names, streams) and the fixed ``weights``, which are part of the
+        stream (None: named phases, compared apart: future phases may change)."""
+        core = {"mixture": [[n, s.fingerprint] for n, s in zip(self.names, self.sources)]}
+        if weights is not None:
+            core["weights"] = list(weights)
+        return digest(core)[:16]
 
     @property
     def global_batch_size(self) -> int:
@@ -144,9 +152,9 @@ class MixedStreamLoader(OneIterator):
         raise TypeError("a mixture of text streams has no epoch length: its sources' passes "
                         "end at different steps")
 
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        """Batches from the current position; an earlier iterator raises StaleIterator."""
-        return CheckedFirst(self.check_ranks, self._batches(self._new_iteration()))
+    def _pass(self, token: Iteration) -> CheckedFirst:
+        """The pass's batches, after the ranks agree."""
+        return CheckedFirst(self.check_ranks, self._batches())
 
     def check_ranks(self) -> None:
         """Refuse, on every rank at once, settings or a position that differ from another
@@ -161,12 +169,10 @@ class MixedStreamLoader(OneIterator):
         super()._retire(why)
         self._iters = [None] * len(self.sources)  # the sources' iterators of the retired one
 
-    def _batches(self, token: Iteration) -> Iterator[dict[str, np.ndarray]]:
+    def _batches(self) -> Iterator[dict[str, np.ndarray]]:
         GB, B = self.global_batch_size, self.batch_size
         lo = self.rank * B
         while True:
-            if token.why is not None:
-                raise StaleIterator(token.why)
             if self._error is not None:
                 raise self._error
             k = self._consumed
@@ -230,8 +236,7 @@ class MixedStreamLoader(OneIterator):
             for s, old in zip(self.sources, before):
                 s.load_state_dict(old)
             raise
-        self._retire("this loader's state was loaded (load_state_dict) after this iterator was "
-                     "made; make a new iterator (iter(loader)) to continue from there")
+        self._loaded(k)
         self._consumed, self._error = k, None
         self._states = [s.state_dict() for s in self.sources]
 
@@ -241,48 +246,42 @@ def _close_all(sources: list) -> None:
 
 
 def check_mixed_state(state: Any, loader: MixedStreamLoader) -> int:
-    """``consumed_samples`` of a mixture state, checked against ``loader`` (ConfigError)."""
-    if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION or \
-            state.get("mode") != MIX_MODE:
-        raise ConfigError(f"unsupported stream mixture state (want version {STATE_VERSION}, "
-                          f"mode {MIX_MODE!r}): {state!r}")
-    if state.get("fingerprint") != loader.fingerprint:
-        saved = state.get("sources")  # every source's state records the same settings
-        first = next(iter(saved.values()), None) if isinstance(saved, Mapping) else None
-        raise ConfigError(f"loader state fingerprint {state.get('fingerprint')!r} does not match "
-                          f"this loader's {loader.fingerprint!r}: " + what_differs(
-                              first.get("settings") if isinstance(first, Mapping) else None,
-                              loader.sources[0].plan.order_settings,
-                              "the sources (names, inputs or their sizes/times), tokenizer, "
-                              "options or fixed weights"))
-    k = state.get("consumed_samples")
-    if not is_int(k) or not 0 <= k <= MAX_CONSUMED:
-        raise ConfigError(f"consumed_samples must be an int in [0, 2**63) (got {k!r})")
-    check_past_phases(state.get("mixture"), described_phases(loader.mixture), int(k))
-    sources = state.get("sources")
-    if not isinstance(sources, Mapping) or set(sources) != set(loader.names) or \
-            not all(isinstance(v, Mapping) for v in sources.values()):
+    """``consumed_samples`` of a mixture state, checked against ``loader`` (ConfigError): its
+    fixed weights spelled otherwise continue the stream; a phase that started before the
+    checkpoint may not change (``state.phase_changes``)."""
+    saved = state.get("sources") if isinstance(state, Mapping) else None
+    first = next(iter(saved.values()), None) if isinstance(saved, Mapping) else None
+    differs = what_differs(first.get("settings") if isinstance(first, Mapping) else None,
+                           loader.sources[0].plan.order_settings,
+                           "the sources (names, inputs or their sizes/times), tokenizer, options "
+                           "or fixed weights")
+    weights, also = loader.mixture.weights, ()
+    was = None if loader.mixture.named else _fixed_weights(state, loader.names)
+    if was is not None and (spelled := respelled(was, weights)) is not None:
+        also = (loader._fingerprint(spelled),)  # the same draws: the same stream
+    elif was is not None and not same_weights(was, weights):
+        differs = (f"fixed weights {dict(zip(loader.names, was))} → "
+                   f"{dict(zip(loader.names, weights))} (the saved run's → this loader's); make "
+                   "the loader with the saved run's weights to resume it")
+    k = consumed_of(state, loader.fingerprint, mode=MIX_MODE, kind="stream mixture",
+                    differs=differs, also=also)
+    diffs = phase_changes(state.get("mixture"), described_phases(loader.mixture), k)
+    if any(not d.safe for d in diffs):
+        raise ConfigError(f"cannot resume from this state: {explain(diffs)}")
+    if not isinstance(saved, Mapping) or set(saved) != set(loader.names) or \
+            not all(isinstance(v, Mapping) for v in saved.values()):
         raise ConfigError(f"the state's sources must be a {{name: stream state}} dict of this "
-                          f"loader's sources {sorted(loader.names)} (got {sources!r})")
-    return int(k)
+                          f"loader's sources {sorted(loader.names)} (got {saved!r})")
+    return k
 
 
-def check_past_phases(saved: Any, now: list, k: int) -> None:
-    """Refuse a schedule whose phases before global sample ``k`` differ from the saved ones."""
-    if not isinstance(saved, list):
-        raise ConfigError(f"the state's mixture must be a list of [first sample, {{name: "
-                          f"weight}}] phases (got {saved!r})")
-    past = [[int(p[0]), dict(p[1])] for p in saved if p[0] < k]
-    ours = [[int(p[0]), dict(p[1])] for p in now if p[0] < k]
-    for i in range(max(len(past), len(ours))):
-        a = past[i] if i < len(past) else None
-        b = ours[i] if i < len(ours) else None
-        if a != b:
-            raise ConfigError(f"phase {i} ({_phase(a)} in the state, {_phase(b)} now) started "
-                              f"before consumed_samples={k:,}: those samples were consumed; only "
-                              "phases that start later may be added, changed or removed")
-
-
-def _phase(p: list | None) -> str:
-    return "absent" if p is None else f"from sample {p[0]:,}: {p[1]}"
-
+def _fixed_weights(state: Any, names: tuple[str, ...]) -> tuple[float, ...] | None:
+    """The fixed weights a mixture state records, one a source in ``names``' order; None when it
+    records no such single phase."""
+    try:
+        phases = phases_of(state.get("mixture") if isinstance(state, Mapping) else None)
+    except ConfigError:
+        return None  # consumed_of and phase_changes say what is wrong with it
+    if len(phases) != 1 or set(phases[0][1]) != set(names):
+        return None
+    return tuple(phases[0][1][n] for n in names)

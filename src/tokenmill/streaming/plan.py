@@ -37,10 +37,10 @@ from tokenmill.prepare.tokenize import PrepareConfig, input_name, tokenizer_of
 from tokenmill.base.procs import resolve_workers, usable_cores
 from tokenmill.inputs.records import local_path
 from tokenmill.load.sampler import MAX_SEED
+from tokenmill.load.state import STATE_VERSION
 from tokenmill.store.format import MANIFEST
 from tokenmill.tokenizer import Tokenizer, token_dtype
 
-STATE_VERSION = 1
 DEFAULT_SHUFFLE_BUFFER = 4096  # windows: 8 Mi tokens at seq_len 2048, 16 MiB as uint16
 DEFAULT_PACK_WINDOW = 1024  # rows' worth of tokens packed together: 2 Mi tokens at seq_len 2048
 STREAM_LAYOUTS = ("concat", "packed")
