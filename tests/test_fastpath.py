@@ -174,3 +174,105 @@ def test_best_fit_places_every_item_in_the_rows_of_the_python_path(capacity):
 def test_best_fit_refuses_what_it_cannot_place():
     assert fastpath.best_fit(np.array([7, 3]), 6, 0) is None  # longer than a row
     assert fastpath.best_fit(np.array([5, 0]), 6, 0) is None  # empty
+
+
+def test_a_batch_over_more_shards_than_a_call_holds_is_filled_a_group_at_a_time(sharded):
+    # GROUP shards are held mapped a call; 2 makes every batch of this store take several calls
+    store = TokenStore(sharded)
+    layout = pack_documents(store.doc_lengths, 128)
+    ids = np.random.default_rng(2).integers(0, layout.num_rows, 12)
+    from tokenmill.load import fastfill
+    bounds = np.asarray(store.shard_token_starts, np.int64)
+    assert len(fastfill.shards_of(layout.row_ptr, layout.seg_start, ids, bounds)) > 4
+
+    def fill(out):
+        if fastpath.ENABLED:
+            assert fastpath.packed_rows(layout, ids, slice(0, 12), out, bounds, store.shard)
+        else:
+            fill_packed_rows(layout, ids, store.tokens, out)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fastpath, "GROUP", 2)
+        a, b = both(fill, batch=12, seq_len=128)
+    assert_same(a, b)
+
+
+OUT_SHAPES = '''
+import sys
+import numpy as np
+from tokenmill.load import fastpath
+from tokenmill.load.pack import pack_documents
+from tokenmill.load.plan import batch_arrays
+layout = pack_documents(np.full(40, 5), 8)
+tokens = np.arange(200, dtype=np.int32)
+wide, narrow = sys.argv[1], sys.argv[2]
+out = batch_arrays(4, 8, np.int64, True)
+out[wide] = np.zeros((4, 65536), out[wide].dtype)  # wider than the batch's rows
+out[narrow] = np.zeros((4, 1), out[narrow].dtype)
+ok = fastpath.packed_rows(layout, np.arange(4), slice(0, 4), out, np.array([0, 200]),
+                          lambda _: tokens)
+meta = fastpath.metadata_rows(np.array([0, 1, 2, 3, 4]), np.full(4, 5), slice(0, 4), out)
+print(ok, meta)
+'''
+
+
+@pytest.mark.parametrize("wide,narrow", [("segment_ids", "positions"), ("loss_mask", "inputs"),
+                                         ("positions", "loss_mask")])
+def test_arrays_of_other_widths_are_refused_not_written_past(tmp_path, wide, narrow):
+    import subprocess
+    import sys
+    # a process of its own: writing past an array shows as a crash (SIGSEGV, SIGABRT)
+    script = tmp_path / "shapes.py"
+    script.write_text(OUT_SHAPES)
+    r = subprocess.run([sys.executable, str(script), wide, narrow], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["False", "False"], (r.returncode, r.stderr)
+
+
+def test_layouts_it_cannot_trust_are_refused():
+    from tokenmill.load import fastfill
+    out = batch_arrays(1, 8, np.int64, True)
+    tokens = np.arange(50, dtype=np.int32)
+    args = (np.array([0], np.int64), np.array([0, 50], np.int64), np.array([0], np.int64),
+            [tokens], out["inputs"], out["targets"], out["segment_ids"], out["positions"],
+            out["loss_mask"])
+    bad = [  # (row_ptr, seg_start, seg_len): a negative length, a row past the segments
+        (np.array([0, 2]), np.array([0, 5]), np.array([4, -3])),
+        (np.array([0, 3]), np.array([0, 5]), np.array([4, 3])),
+        (np.array([-1, 1]), np.array([0, 5]), np.array([4, 3])),
+    ]
+    for row_ptr, seg_start, seg_len in bad:
+        assert not fastfill.fill_packed(row_ptr, seg_start, seg_len, np.array([0]), *args)
+        assert not fastfill.fill_metadata_rows(row_ptr, seg_len, np.array([0]), np.array([0]),
+                                               out["segment_ids"], out["positions"],
+                                               out["loss_mask"])
+
+
+MANY_SHARDS = '''
+import os, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from tokenmill import Loader
+peak = 0
+with Loader(sys.argv[1], seq_len=256, batch_size=8, layout="packed", num_workers=0) as ld:
+    for _, batch in zip(range(40), ld):
+        peak = max(peak, len(os.listdir("/proc/self/fd")))
+print(peak)
+'''
+
+
+def test_a_packed_batch_over_hundreds_of_shards_holds_a_bounded_number_of_descriptors(tmp_path):
+    import subprocess
+    import sys
+    # 1-3 token documents, ~40 a shard: a batch's rows draw from ~90 shards. With 64
+    # descriptors allowed (max_open 32), holding every shard of a batch mapped at once ran out
+    # of descriptors (EMFILE, a raw traceback); a group of 16 at a time stays within them
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(1, 4, 24_000)
+    store = write_token_store(tmp_path / "s", np.arange(int(lengths.sum())) % 50_000, lengths,
+                              shard_tokens=80)
+    script = tmp_path / "many.py"
+    script.write_text(MANY_SHARDS)
+    r = subprocess.run([sys.executable, str(script), str(store)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout) <= 32 + 16, r.stdout  # between batches: max_open maps and the rest

@@ -281,7 +281,7 @@ def test_a_100000_shard_store_opens_fast_reads_with_few_descriptors_and_closes_c
         got = json.loads(r.stdout)
         assert got["exact"]
         assert got.get("after_open", got["before"]) == got["before"]  # nothing held per shard
-        # at most max_open maps (32: a quarter of the scripts' 128 descriptors), one being hashed
+        # at most max_open maps (32, the least: the scripts allow 128 descriptors), one being hashed
         assert got["peak"] < 64, got
         assert got["after_close"] == got["before"], got
         # opening costs no work per shard beyond a stat: it opens the manifest and no shard

@@ -401,11 +401,12 @@ def stop_all(workers: list[Worker], timeout: float = 2.0) -> None:
         w.stop(timeout=0)
 
 def default_max_open() -> int:
-    """Shard files a store keeps mapped at once (each map holds one descriptor): a quarter of
-    this process's descriptor limit, at least 32 and at most 16,384 — a packed batch of short
-    documents reads hundreds of shards, and re-mapping one costs ~60 µs.
+    """Shard files a store keeps mapped at once (each map holds one descriptor): a sixteenth of
+    this process's descriptor limit, at least 32 and at most 1,024 — a packed batch of short
+    documents reads hundreds of shards, and re-mapping one costs ~60 µs; a sixteenth leaves
+    room for a mixture of several stores, workers' pipes and the training job's own files.
 
-    32 <= default_max_open() <= 16384
+    32 <= default_max_open() <= 1024
     """
     try:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -413,4 +414,4 @@ def default_max_open() -> int:
         soft = 1024
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
-    return max(32, min(soft // 4, 16384))
+    return max(32, min(soft // 16, 1024))

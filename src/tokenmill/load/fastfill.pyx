@@ -62,9 +62,10 @@ cdef inline void copy_run(const tok_t* src, out_t* inp, out_t* tgt, Py_ssize_t a
 cdef int rows_of(const tok_t* kind, const int64_t[::1] row_ptr, const int64_t[::1] seg_start,
                  const int64_t[::1] seg_len, const int64_t[::1] ids, const int64_t[::1] dest,
                  const int64_t[::1] bounds, const int64_t[::1] mapped, const uint64_t* ptrs,
-                 out_t[:, ::1] inputs, out_t[:, ::1] targets) noexcept nogil:
+                 out_t[:, ::1] inputs, out_t[:, ::1] targets, bint partial) noexcept nogil:
     """Tokens of packed rows ``ids`` into batch rows ``dest``; 1 if a segment is not inside one
-    mapped shard (nothing is then trusted: the caller takes the numpy path)."""
+    shard or overfills its row, or (unless ``partial``: then it is left for another call with
+    its shard) its shard is not mapped — nothing is then trusted: the caller goes the numpy way."""
     cdef Py_ssize_t i, j, r, at, n, L = inputs.shape[1], k, m
     cdef int64_t s
     cdef const tok_t* src
@@ -79,7 +80,10 @@ cdef int rows_of(const tok_t* kind, const int64_t[::1] row_ptr, const int64_t[::
                 return 1
             m = upper(mapped, k) - 1
             if m < 0 or mapped[m] != k:
-                return 1
+                if not partial:
+                    return 1
+                at += n
+                continue
             src = (<const tok_t*><uintptr_t>ptrs[m]) + (s - bounds[k])
             copy_run(src, &inputs[r, 0], &targets[r, 0], at, n, L)
             at += n
@@ -116,7 +120,7 @@ cdef void metadata(const int64_t[::1] row_ptr, const int64_t[::1] seg_len,
                 pp[c] = <int32_t>(c - at)
             if e > at:
                 memset(&mp[at], 1, e - at)
-            if at + n - 1 < L:
+            if n > 0 and at + n - 1 < L:
                 mp[at + n - 1] = 0  # a segment's last token has no target in it
             at += n
         if at < L:
@@ -128,21 +132,51 @@ cdef void metadata(const int64_t[::1] row_ptr, const int64_t[::1] seg_len,
 cdef int tokens_any(int code, const int64_t[::1] row_ptr, const int64_t[::1] seg_start,
                     const int64_t[::1] seg_len, const int64_t[::1] ids, const int64_t[::1] dest,
                     const int64_t[::1] bounds, const int64_t[::1] mapped, const uint64_t* ptrs,
-                    out_t[:, ::1] inputs, out_t[:, ::1] targets) noexcept nogil:
+                    out_t[:, ::1] inputs, out_t[:, ::1] targets, bint partial) noexcept nogil:
     if code == 0:
         return rows_of(<const uint8_t*>NULL, row_ptr, seg_start, seg_len, ids, dest, bounds,
-                       mapped, ptrs, inputs, targets)
+                       mapped, ptrs, inputs, targets, partial)
     if code == 1:
         return rows_of(<const uint16_t*>NULL, row_ptr, seg_start, seg_len, ids, dest, bounds,
-                       mapped, ptrs, inputs, targets)
+                       mapped, ptrs, inputs, targets, partial)
     if code == 2:
         return rows_of(<const int32_t*>NULL, row_ptr, seg_start, seg_len, ids, dest, bounds,
-                       mapped, ptrs, inputs, targets)
+                       mapped, ptrs, inputs, targets, partial)
     if code == 3:
         return rows_of(<const uint32_t*>NULL, row_ptr, seg_start, seg_len, ids, dest, bounds,
-                       mapped, ptrs, inputs, targets)
+                       mapped, ptrs, inputs, targets, partial)
     return rows_of(<const int64_t*>NULL, row_ptr, seg_start, seg_len, ids, dest, bounds,
-                   mapped, ptrs, inputs, targets)
+                   mapped, ptrs, inputs, targets, partial)
+
+
+cdef bint runs_sound(const int64_t[::1] row_ptr, Py_ssize_t segments,
+                     const int64_t[::1] ids) noexcept nogil:
+    """Every row ``ids[i]`` a run of segments inside arrays ``segments`` long."""
+    cdef Py_ssize_t i
+    for i in range(ids.shape[0]):
+        if ids[i] < 0 or ids[i] + 1 >= row_ptr.shape[0]:
+            return False
+        if row_ptr[ids[i]] < 0 or row_ptr[ids[i]] > row_ptr[ids[i] + 1] or \
+                row_ptr[ids[i] + 1] > segments:
+            return False
+    return True
+
+
+cdef bint rows_sound(const int64_t[::1] row_ptr, const int64_t[::1] seg_len,
+                     Py_ssize_t segments, const int64_t[::1] ids) noexcept nogil:
+    """``runs_sound``, and every segment's length >= 0: what the loops below take on trust."""
+    cdef Py_ssize_t i, j
+    if not runs_sound(row_ptr, segments, ids):
+        return False
+    for i in range(ids.shape[0]):
+        for j in range(row_ptr[ids[i]], row_ptr[ids[i] + 1]):
+            if seg_len[j] < 0:
+                return False
+    return True
+
+
+cdef inline bint same_shape(Py_ssize_t* a, Py_ssize_t* b) noexcept nogil:
+    return a[0] == b[0] and a[1] == b[1]
 
 
 cdef bint in_range(const int64_t[::1] a, int64_t n) noexcept nogil:
@@ -159,12 +193,13 @@ def fill_packed(const int64_t[::1] row_ptr, const int64_t[::1] seg_start,
                 const int64_t[::1] bounds, const int64_t[::1] mapped, list arrays,
                 out_t[:, ::1] inputs, out_t[:, ::1] targets,
                 int32_t[:, ::1] segment_ids=None, int32_t[:, ::1] positions=None,
-                uint8_t[:, ::1] loss_mask=None) -> bool:
+                uint8_t[:, ::1] loss_mask=None, bint partial=False) -> bool:
     """Packed rows ``ids`` (a layout's CSR ``row_ptr`` → global ``seg_start``, ``seg_len``) into
     batch rows ``dest``; shard ``mapped[m]``'s tokens (global from ``bounds[mapped[m]]``) are the
     contiguous 1-D array ``arrays[m]``. False, and nothing to trust in the rows, when a row id or
     batch row is out of range, the arrays differ in dtype or are not one it reads, or a segment
-    is not inside a mapped shard or overfills its row."""
+    is not inside a mapped shard or overfills its row. ``partial``: the segments of shards not
+    in ``mapped`` are left for another call (their rows' metadata and padding are written)."""
     cdef Py_ssize_t m, n = len(arrays)
     cdef int code = -1, bad = 0
     cdef Py_buffer* views
@@ -173,12 +208,12 @@ def fill_packed(const int64_t[::1] row_ptr, const int64_t[::1] seg_start,
     if n != mapped.shape[0] or ids.shape[0] != dest.shape[0] or \
             targets.shape[0] != inputs.shape[0] or targets.shape[1] != inputs.shape[1]:
         return False
-    if not in_range(ids, row_ptr.shape[0] - 1) or not in_range(dest, inputs.shape[0]):
+    if not rows_sound(row_ptr, seg_len, min(seg_start.shape[0], seg_len.shape[0]), ids) or \
+            not in_range(dest, inputs.shape[0]):
         return False
-    if segment_ids is not None and (positions is None or loss_mask is None or
-                                    segment_ids.shape[0] != inputs.shape[0] or
-                                    positions.shape[0] != inputs.shape[0] or
-                                    loss_mask.shape[0] != inputs.shape[0]):
+    if segment_ids is not None and (positions is None or loss_mask is None or not (
+            same_shape(segment_ids.shape, inputs.shape) and same_shape(positions.shape,
+            inputs.shape) and same_shape(loss_mask.shape, inputs.shape))):
         return False
     views = <Py_buffer*>malloc(n * sizeof(Py_buffer) + 1)
     ptrs = <uint64_t*>malloc(n * sizeof(uint64_t) + 1)
@@ -203,7 +238,7 @@ def fill_packed(const int64_t[::1] row_ptr, const int64_t[::1] seg_start,
             ptrs[m] = <uintptr_t>views[m].buf
         with nogil:
             bad = tokens_any(code, row_ptr, seg_start, seg_len, ids, dest, bounds, mapped, ptrs,
-                             inputs, targets)
+                             inputs, targets, partial)
             if not bad and segment_ids is not None:
                 metadata(row_ptr, seg_len, ids, dest, segment_ids, positions, loss_mask)
     finally:
@@ -223,8 +258,8 @@ def shards_of(const int64_t[::1] row_ptr, const int64_t[::1] seg_start, const in
               const int64_t[::1] bounds) -> list:
     """The distinct shards (ascending) that the segments of rows ``ids`` start in."""
     cdef Py_ssize_t i, j, n = 0, total = 0, out = 0
-    if not in_range(ids, row_ptr.shape[0] - 1):
-        raise IndexError("a row id is out of range")
+    if not runs_sound(row_ptr, seg_start.shape[0], ids):
+        raise IndexError("a row id, or its segments, out of range")
     for i in range(ids.shape[0]):
         total += row_ptr[ids[i] + 1] - row_ptr[ids[i]]
     cdef int64_t* found = <int64_t*>malloc(total * sizeof(int64_t) + 8)
@@ -252,10 +287,11 @@ def fill_metadata_rows(const int64_t[::1] row_ptr, const int64_t[::1] seg_len,
                        uint8_t[:, ::1] loss_mask) -> bool:
     """Segment ids, positions and loss mask of rows ``ids`` (row i holds the segments
     ``seg_len[row_ptr[i]:row_ptr[i + 1]]`` back to back from column 0) into batch rows ``dest``;
-    False when an id or row is out of range."""
-    if ids.shape[0] != dest.shape[0] or not in_range(ids, row_ptr.shape[0] - 1) or \
-            not in_range(dest, segment_ids.shape[0]) or positions.shape[0] != \
-            segment_ids.shape[0] or loss_mask.shape[0] != segment_ids.shape[0]:
+    False when an id, a row or a segment is out of range, or the three differ in shape."""
+    if ids.shape[0] != dest.shape[0] or not rows_sound(row_ptr, seg_len, seg_len.shape[0], ids) \
+            or not in_range(dest, segment_ids.shape[0]) or not same_shape(
+                positions.shape, segment_ids.shape) or not same_shape(loss_mask.shape,
+                                                                       segment_ids.shape):
         return False
     with nogil:
         metadata(row_ptr, seg_len, ids, dest, segment_ids, positions, loss_mask)

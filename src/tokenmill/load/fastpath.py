@@ -26,6 +26,9 @@ __all__ = ["best_fit", "enabled", "metadata_rows", "packed_rows", "status"]
 
 META = ("segment_ids", "positions", "loss_mask")
 ONE_SHARD = np.zeros(1, np.int64)  # the mapped shards of a one-shard store: shard 0
+# shards a call holds mapped at once (each map holds a descriptor, a remote one pins its cached
+# file): a batch of short documents reads hundreds of shards, filled a group at a time
+GROUP = 16
 # read once: a switch to compare the two paths, or to rule the compiled one out
 ENABLED = fastfill is not None and os.environ.get("TOKENMILL_FASTFILL", "1") != "0"
 
@@ -70,11 +73,18 @@ def packed_rows(layout, ids: np.ndarray, dest: slice | np.ndarray, out: Mapping[
         except IndexError:
             return False  # a row id out of range: the caller's checks name it
         mapped = np.array(mapped, np.int64)
-    arrays = [shard(k) for k in mapped.tolist()]  # held through the call: the pointers stay valid
+    rows, partial = _rows(dest), len(mapped) > GROUP
     try:
-        return fastfill.fill_packed(layout.row_ptr, layout.seg_start, layout.seg_len, ids,
-                                    _rows(dest), bounds, mapped, arrays,
-                                    out["inputs"], out["targets"], *meta)
+        for at in range(0, len(mapped), GROUP):  # a few shards held at once: descriptors bounded
+            group = mapped[at:at + GROUP]
+            arrays = [shard(k) for k in group.tolist()]  # held through the call: pointers valid
+            if not fastfill.fill_packed(layout.row_ptr, layout.seg_start, layout.seg_len, ids,
+                                        rows, bounds, group, arrays, out["inputs"],
+                                        out["targets"], *(meta if at == 0 else ()),
+                                        partial=partial):
+                return False
+            del arrays
+        return True
     except (ValueError, TypeError, BufferError):  # dtypes or strides it does not take
         return False
 

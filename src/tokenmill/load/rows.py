@@ -20,6 +20,7 @@ import mmap
 import threading
 import time
 from bisect import bisect_right
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
@@ -54,9 +55,14 @@ class RowFiller:
         self.store, self.seq_len, self.dtype = store, seq_len, np.dtype(dtype)
         self.bounds = np.asarray(shard_starts, dtype=np.int64)  # token start of each shard, total
         self.starts = self.bounds.tolist()
-        self.ramp = np.arange(seq_len + 1, dtype=np.int32)  # positions 0, 1, 2, … of a segment
         self.local = threading.local()
         self.advising = 0  # batches left that ask the kernel for their pages first
+
+    @cached_property
+    def ramp(self) -> np.ndarray:
+        """Positions 0, 1, 2, … of a segment (made when first needed: 4 MB at seq_len 2^20,
+        which the compiled filler never needs)."""
+        return np.arange(self.seq_len + 1, dtype=np.int32)
 
     def scratch(self, rows: int, dtype: np.dtype) -> np.ndarray:
         """This thread's (rows, seq_len + 1) array of ``dtype`` (made once per shape)."""

@@ -5,8 +5,9 @@ Opening reads the manifest (its totals checked against its shards) and checks ea
 size (a ``stat``, no descriptor kept; the file's identity — device, inode, size, mtime — is
 remembered; a remote store: the manifest alone, one GET, and a shard's ``.idx`` is fetched when
 the shard is first read); shards are mapped when first read, and at most ``max_open`` files
-(default a quarter of the descriptor limit, 32–16,384) stay mapped, least recently used dropped first — a store of 100,000 shards opens in
-well under a second and holds a bounded number of descriptors. Every map (and re-map) first
+(default a sixteenth of the descriptor limit, 32–1,024) stay mapped, least recently used
+dropped first — a store of 100,000 shards opens in well under a second and holds a bounded
+number of descriptors. Every map (and re-map) first
 proves, by an ``fstat`` of the descriptor it maps, that the file is the one seen at open: a store
 re-prepared underneath a reader fails with a StoreError instead of serving other tokens. When a
 shard is first read, its ``.idx`` is checked against the manifest — dtype, documents, tokens
