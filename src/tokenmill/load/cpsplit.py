@@ -268,6 +268,7 @@ def _fixed(sizes: list[int], sequences: int, b: int, length: int, cp: int,
         raise ConfigError(f"this batch has {sequences} attention sequences, more than "
                           f"batch_size × max_segments = {b} × {max_segments}; give cp_batch the "
                           "Loader's max_segments (seq_len when it has none)")
+    assert max(sizes) <= shapes.tokens, "cp_shapes' bound"
     return shapes
 
 
@@ -287,7 +288,7 @@ def _varlen(mine: CPShard, slot: np.ndarray, first: int, c: int, shapes: CPShape
     np.cumsum(q, out=cu_q[1:len(q) + 1])
     np.cumsum(k, out=cu_k[1:len(k) + 1])
     cu_q[len(q) + 1:], cu_k[len(k) + 1:] = cu_q[len(q)], cu_k[len(k)]  # empty sequences
-    assert len(q) < len(cu_q) and len(kv) <= max(shapes.kv, len(kv)), "cp_shapes' bounds"
+    assert not shapes.kv or (len(q) < shapes.slots and len(kv) <= shapes.kv), "cp_shapes' bound"
     if len(kv) < shapes.kv:
         kv = np.concatenate([kv, np.zeros(shapes.kv - len(kv), np.int64)])  # never read
     return (cu_q.astype(np.int32), cu_k.astype(np.int32), kv, int(q.max(initial=0)),
