@@ -72,12 +72,13 @@ def test_cut_documents_and_tokens_equal_a_count_from_the_batches(store, seq_len,
         held = np.zeros(sum(LENGTHS), bool)
         for r in rows[:ld.samples_per_epoch]:
             held[r] = held[r[-1] + 1] = True  # the inputs, and the last target
-        left = ld.layout_stats.get("tokens_left_out")
     want = counted(batches)
+    left = cuts.pop("epoch_tokens_left_out")
     assert cuts == {"since_sample": 0, **want}
     assert want["pieces"] > 0 and want["documents"] > 0
-    if layout["layout"] == "concat":  # an epoch's windows hold all but what is left out
-        assert left == len(held) - held.sum() > 0
+    # an epoch's windows hold all but what is left out (packed: everything)
+    assert left == (len(held) - held.sum() if layout["layout"] == "concat" else 0)
+    assert left > 0 or layout["layout"] == "packed"
     if layout["layout"] == "packed" and seq_len == 1 << 20:
         # every document longer than a row is cut, once; nothing else at this length
         assert want["documents"] == sum(n > seq_len + 1 for n in LENGTHS)
@@ -86,6 +87,11 @@ def test_cut_documents_and_tokens_equal_a_count_from_the_batches(store, seq_len,
 def test_cut_counts_are_the_steps_handed_out_whatever_ran_ahead_and_after_a_resume(store):
     seq_len, per = 131072, 4
 
+    def cuts(loader):
+        got = loader.stats()["cuts"]
+        assert got.pop("epoch_tokens_left_out") == 0  # packed
+        return got
+
     def loader(**kw):
         return Loader(store, seq_len=seq_len, batch_size=per, layout="packed", seed=4, **kw)
 
@@ -93,15 +99,15 @@ def test_cut_counts_are_the_steps_handed_out_whatever_ran_ahead_and_after_a_resu
         batches = take(ref, 6)
     with loader(num_workers=2, prefetch=4) as ahead:  # six steps handed out, more computed
         take(ahead, 3)
-        assert ahead.stats()["cuts"] == {"since_sample": 0, **counted(batches[:3])}
+        assert cuts(ahead) == {"since_sample": 0, **counted(batches[:3])}
         take(ahead, 3)
-        assert ahead.stats()["cuts"] == {"since_sample": 0, **counted(batches)}
+        assert cuts(ahead) == {"since_sample": 0, **counted(batches)}
         state = json.loads(json.dumps(ahead.state_dict()))
     with loader(num_workers=0) as again:  # a run resumed at step 2 counts from there
         again.load_state_dict({**state, "consumed_samples": 2 * per})
-        assert again.stats()["cuts"] == {"since_sample": 2 * per, **counted([])}
+        assert cuts(again) == {"since_sample": 2 * per, **counted([])}
         take(again, 4)
-        assert again.stats()["cuts"] == {"since_sample": 2 * per, **counted(batches[2:])}
+        assert cuts(again) == {"since_sample": 2 * per, **counted(batches[2:])}
 
 
 def test_count_cuts_reads_no_tokens_and_counts_rows_of_two_ranks_apart(store):

@@ -104,19 +104,21 @@ def left_out(plan) -> int:
 
 
 class Tally:
-    """``count_cuts`` summed over the steps a loader handed out since ``since`` (a consumed
-    count): counted when asked, from where the last count stopped (a pure function of the
-    steps, whatever was prefetched)."""
+    """``count_cuts`` summed over the steps a Loader handed out since ``since`` (its consumed
+    samples when it was built or its state loaded), counted when asked, from where the last
+    count stopped: a pure function of the steps, whatever was prefetched."""
 
     def __init__(self, since: int):
         self.since = self.upto = since
         self.totals = dict.fromkeys(KEYS, 0)
 
-    def count(self, plan, positions_of, consumed: int, step: int) -> dict[str, int]:
-        """The totals up to ``consumed``: each step from the last count on, its positions from
-        ``positions_of(first sample)``, ``step`` samples a step."""
-        while self.upto < consumed:
-            for k, v in count_cuts(plan, positions_of(self.upto)).items():
+    def count(self, loader) -> dict[str, int]:
+        """The totals up to ``loader.consumed_samples`` (each step's rows ``loader.positions``
+        of its first sample, ``loader.global_batch_size`` samples a step), and the tokens an
+        epoch's windows leave out (``left_out``)."""
+        while self.upto < loader.consumed_samples:
+            for k, v in count_cuts(loader.plan, loader.positions(self.upto)).items():
                 self.totals[k] += v
-            self.upto += step
-        return {"since_sample": self.since, **self.totals}
+            self.upto += loader.global_batch_size
+        return {"since_sample": self.since, **self.totals,
+                "epoch_tokens_left_out": left_out(loader.plan)}

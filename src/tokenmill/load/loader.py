@@ -29,7 +29,7 @@ from tokenmill.load import pacing
 from tokenmill.load.balanced import balance_of, balanced_fingerprint, balanced_positions, described, \
     step_balance
 from tokenmill.base.errors import ConfigError, StaleIterator, check_int
-from tokenmill.load.cuts import Tally, left_out
+from tokenmill.load.cuts import Tally
 from tokenmill.load.lifetime import Iteration, OneIterator, Pass
 from tokenmill.load.mixture import described_phases
 from tokenmill.load.options import LoaderOptions
@@ -107,8 +107,7 @@ class Loader(OneIterator):
             raise ConfigError(f"batch_size × world_size = {self.global_batch_size:,} samples is "
                               f"more than one epoch holds ({self.samples_per_epoch:,} samples of "
                               f"seq_len {seq_len}); lower batch_size or seq_len")
-        self._consumed = 0
-        self._cuts = Tally(0)  # documents cut by the rows handed out (cuts.py), counted when asked
+        self._consumed, self._cuts = 0, Tally(0)  # cuts: counted when stats() asks
         self._auto_prefetch = opts.prefetch == "auto"
         self._tuning = {"wait": 0.0, "steps": 0, "since": None}
         self._assemble_s = 0.0
@@ -328,10 +327,8 @@ class Loader(OneIterator):
         self._spans = sink
 
     def stats(self) -> dict[str, Any]:
-        """Where batches are assembled and why: {"mode": "inline" | "ahead", "why", "workers",
-        "worker_type", "prefetch", …}; the default's mode follows measurements (pacing.Pacer);
-        "cuts": documents cut by this rank's rows handed out since it was built or loaded
-        (``cuts.count_cuts``: rows, pieces, documents, tokens), counted now."""
+        """Where batches are assembled and why ({"mode": "inline" | "ahead", "why", "workers", …}:
+        pacing.Pacer's measurements), and the documents cut so far ("cuts": ``cuts.Tally``)."""
         if self.pacer is not None:
             info = self.pacer.stats()
         elif self.num_workers == 0:
@@ -340,9 +337,7 @@ class Loader(OneIterator):
             info = {"mode": "ahead", "why": f"num_workers={self.num_workers} given"}
         return {**info, "workers": self.num_workers, "worker_type": self.worker_type,
                 "prefetch": self.prefetch, **({"balance": self._balance_stats()} if self.balance
-                                              else {}),
-                "cuts": self._cuts.count(self.plan, self.positions, self._consumed,
-                                         self.global_batch_size)}
+                                              else {}), "cuts": self._cuts.count(self)}
 
     def _balance_stats(self) -> dict[str, Any]:
         """The last step handed out (else the first): max / mean cost across ranks, balanced and
@@ -434,8 +429,7 @@ class Loader(OneIterator):
         self._retire(f"this Loader's state was loaded (load_state_dict, or a new pass of a "
                      f"wrapper such as to_torch) after this iterator was made; iterate again to "
                      f"continue from consumed_samples={consumed:,}")
-        self._consumed = consumed
-        self._cuts = Tally(consumed)
+        self._consumed, self._cuts = consumed, Tally(consumed)
 
     @property
     def consumed_samples(self) -> int:
@@ -447,8 +441,7 @@ class Loader(OneIterator):
         """Samples per epoch; packed: an upper bound on padding (from the rows an epoch is
         allotted), and over the windows this process has packed so far: documents packed, cut
         across rows beyond what packing each window alone cuts (``documents_cut``), longer than
-        a row (``num_truncated``), the most segments a row holds; the max_segments cap; concat:
-        the tokens an epoch's windows leave out (``cuts.left_out``)."""
+        a row (``num_truncated``), the most segments a row holds; the max_segments cap."""
         stats: dict[str, Any] = {"samples_per_epoch": self.samples_per_epoch,
                                  "steps_per_epoch": len(self)}
         if self.plan.packed:
@@ -459,8 +452,6 @@ class Loader(OneIterator):
                 stats[key] = sum(p[key] for p in plans)
             stats["max_segments"] = self.config.max_segments
             stats["most_segments"] = max(p["most_segments"] for p in plans)
-        else:
-            stats["tokens_left_out"] = left_out(self.plan)
         if self.plan.schedule is not None:
             stats["mixture_weights"] = [float(w) for w in self.plan.schedule.weights]
         return stats
