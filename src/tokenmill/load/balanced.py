@@ -23,11 +23,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
-from tokenmill.base.arrays import distinct, exclusive_cumsum, ranges
 from tokenmill.load.balance import CostModel, balance_rows, cost_model_of, imbalance, rank_costs, \
     row_costs
 from tokenmill.base.errors import ConfigError
-from tokenmill.load.pack import window_segments
+from tokenmill.load.cuts import row_parts
 from tokenmill.load.plan import BatchPlan, LayoutConfig, global_positions
 
 __all__ = ["Deal", "balance_of", "balanced_fingerprint", "balanced_positions", "deal",
@@ -70,42 +69,15 @@ def balanced_fingerprint(fingerprint: str, model: CostModel | None) -> str:
     return xxhash.xxh3_64_hexdigest(json.dumps([fingerprint, "balance", described(model)]).encode())
 
 
-def _segments(source, addrs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(row index into ``addrs``, length) of every segment of those rows of one source, each
-    row's segments in order (they fill the row from its first token)."""
-    if source.packed is None:  # concat windows: the documents they cross, from the index
-        at, lengths, _ = window_segments(source.store, addrs, source.config.seq_len)
-        return at // (source.config.seq_len + 1), lengths
-    rows, lengths = [], []
-    for window, which, local in source.packed.locate(addrs):
-        ptr = window.layout.row_ptr
-        counts = ptr[local + 1] - ptr[local]
-        rows.append(np.repeat(which, counts))
-        lengths.append(window.layout.seg_len[ranges(ptr[local], counts)])
-    return np.concatenate(rows), np.concatenate(lengths)
-
-
 def row_lengths(plan: BatchPlan, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(lengths, offsets) of the documents in the inputs (seq_len tokens) of the rows at global
-    ``positions``, from the plan's layout alone: what ``balance.row_segments`` reads from the
-    filled batch's segment_ids."""
-    sid, addr = plan.resolve(np.asarray(positions, np.int64))
-    rows, lengths = [], []
-    for s in distinct(sid):
-        sel = np.flatnonzero(sid == s)
-        r, n = _segments(plan.sources[s], addr[sel])
-        rows.append(sel[r])
-        lengths.append(n)
-    row, n = np.concatenate(rows), np.concatenate(lengths).astype(np.int64)
-    order = np.argsort(row, kind="stable")
-    row, n = row[order], n[order]
-    counts = np.bincount(row, minlength=len(sid))
-    cum = exclusive_cumsum(n)
-    off = cum - np.repeat(np.append(cum, 0)[exclusive_cumsum(counts)], counts)
-    n = np.minimum(off + n, plan.seq_len) - off  # a row's last token is a target only
+    ``positions``, from the plan's layout alone (``cuts.row_parts``): what
+    ``balance.row_segments`` reads from the filled batch's segment_ids."""
+    p = row_parts(plan, positions)
+    n = np.minimum(p.offset + p.length, plan.seq_len) - p.offset  # a row's last token: a target
     keep = n > 0
-    offsets = np.zeros(len(sid) + 1, np.int64)
-    np.cumsum(np.bincount(row[keep], minlength=len(sid)), out=offsets[1:])
+    offsets = np.zeros(len(positions) + 1, np.int64)
+    np.cumsum(np.bincount(p.row[keep], minlength=len(positions)), out=offsets[1:])
     return n[keep], offsets
 
 

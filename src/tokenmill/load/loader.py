@@ -31,6 +31,7 @@ from tokenmill.load.balanced import balance_of, balanced_fingerprint, balanced_p
     step_balance
 from tokenmill.base.errors import ConfigError, StaleIterator, check_int
 from tokenmill.load.lengthplan import length_plan, one_shape, schedule_of
+from tokenmill.load.cuts import Tally
 from tokenmill.load.lifetime import Iteration, OneIterator, Pass
 from tokenmill.load.mixture import described_phases
 from tokenmill.load.options import LoaderOptions, loader_prefetch, loader_workers
@@ -114,7 +115,7 @@ class Loader(OneIterator):
             raise ConfigError(f"batch_size × world_size = {self.global_batch_size:,} samples is "
                               f"more than one epoch holds ({self.samples_per_epoch:,} samples of "
                               f"seq_len {seq_len}); lower batch_size or seq_len")
-        self._consumed = 0
+        self._consumed, self._cuts = 0, Tally(0)  # cuts: counted when stats() asks
         self._auto_prefetch = opts.prefetch == "auto"
         self._tuning = {"wait": 0.0, "steps": 0, "since": None}
         self._assemble_s = 0.0
@@ -334,8 +335,8 @@ class Loader(OneIterator):
         self._spans = sink
 
     def stats(self) -> dict[str, Any]:
-        """Where batches are assembled and why: {"mode": "inline" | "ahead", "why", "workers",
-        "worker_type", "prefetch", …}; the default's mode follows measurements (pacing.Pacer)."""
+        """Where batches are assembled and why ({"mode": "inline" | "ahead", "why", "workers", …}:
+        pacing.Pacer's measurements), and the documents cut so far ("cuts": ``cuts.Tally``)."""
         if self.pacer is not None:
             info = self.pacer.stats()
         elif self.num_workers == 0:
@@ -345,7 +346,8 @@ class Loader(OneIterator):
         return {**info, "workers": self.num_workers, "worker_type": self.worker_type,
                 "prefetch": self.prefetch, **({"balance": self._balance_stats()} if self.balance
                                               else {}),
-                **({"seq_len_phase": self.lengths.stats(self._consumed)} if self.lengths else {})}
+                **({"seq_len_phase": self.lengths.stats(self._consumed)} if self.lengths
+                   else {"cuts": self._cuts.count(self)})}
 
     def _balance_stats(self) -> dict[str, Any]:
         """The last step handed out (else the first): max / mean cost across ranks, balanced and
@@ -441,7 +443,7 @@ class Loader(OneIterator):
         if self.lengths:
             self.lengths.step(consumed)  # the first row of a step, or a ConfigError
         self._loaded(consumed, "load_state_dict, or a new pass of a wrapper such as to_torch")
-        self._consumed = consumed
+        self._consumed, self._cuts = consumed, Tally(consumed)
 
     def _respelled_fingerprint(self, state: Mapping[str, Any]) -> tuple[str, ...]:
         """This stream's fingerprint under the state's spelling of its fixed weights when that

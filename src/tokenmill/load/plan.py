@@ -328,7 +328,7 @@ def batch_arrays(batch_size: int, seq_len: int, dtype, masks: bool) -> dict[str,
 class BatchPlan:
     """Pure mapping from global sample positions to filled batch rows (no state but a cache)."""
 
-    BLOCK = 4096  # positions resolved by one vectorized call (packed: ≤ an epoch's rows, ≥ 64)
+    BLOCK = 4096  # positions resolved by one vectorized call (at most an epoch's: see __init__)
 
     def __init__(self, sources: list[SampleSource], mix: Mixture | list[float], dtype: np.dtype,
                  *, closes: tuple = ()):
@@ -343,7 +343,7 @@ class BatchPlan:
         self.seq_len = self.config.seq_len
         self.fingerprint = fingerprint_of(sources, mix, self.config)
         self.samples_per_epoch = sum(s.num_samples for s in sources)
-        self.BLOCK = max(64, min(self.BLOCK, self.samples_per_epoch)) if self.packed else self.BLOCK
+        self.BLOCK = min(self.BLOCK, self.samples_per_epoch)  # at most an epoch: long rows
         self.identities = [identity_of(s.store) for s in sources]
         self._closes = list(closes)  # the stores this plan opened itself
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray, list[int] | None]] = {}
@@ -353,8 +353,7 @@ class BatchPlan:
         self._watched = time.monotonic()
 
     @classmethod
-    def open(cls, source, config: LayoutConfig, *, dtype: str = "int32",
-             mixture=None) -> BatchPlan:
+    def open(cls, source, config: LayoutConfig, *, dtype: str = "int32", mixture=None) -> BatchPlan:
         """The plan of a store (path, URL, TokenStore), a {store: weight} mixture or named
         stores with a ``mixture`` schedule; the stores it opens itself are closed by ``close()``."""
         if np.dtype(dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
