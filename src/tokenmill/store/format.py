@@ -206,14 +206,15 @@ def _idx_span(path: Path, fd: int, n: int, dtype: np.dtype, first: int, k: int
               ) -> tuple[np.ndarray, np.ndarray]:
     """Lengths and byte offsets of documents [first, first + k) of an ``.idx`` of ``n``
     documents, checked against each other (and the next document's offset: where it ends)."""
-    lengths = np.frombuffer(os.pread(fd, 4 * k, IDX_HEADER.size + 4 * first), "<i4")
+    lengths = np.frombuffer(os.pread(fd, 4 * k, IDX_HEADER.size + 4 * first), "<i4").astype(
+        np.int64)  # int64 before scaling: a 2^31-token document's bytes overflow an int32
     more = min(k + 1, n - first)
     ptrs = np.frombuffer(os.pread(fd, 8 * more, IDX_HEADER.size + 4 * n + 8 * first), "<i8")
     if np.any(np.diff(ptrs) != lengths[:more - 1] * dtype.itemsize) or \
             (first == 0 and ptrs[0] != 0):
         raise StoreError(f"{path}: documents {first:,}..{first + k - 1:,}: offsets and lengths "
                          "disagree; the index is damaged — run 'tokenmill verify'")
-    return lengths.astype(np.int64), ptrs[:k]
+    return lengths, ptrs[:k]
 
 
 def _read_idx_header(path: Path, f, check: StatCheck | None) -> tuple[int, int, int]:
