@@ -51,7 +51,8 @@ def xxh3_file(path: Path) -> str:
 
 def make_store(out: Path, docs: int) -> Path:
     """A valid sparse store of ``docs`` documents of 1M ± 20% uint16 zeros, two shards; reused."""
-    from tokenmill.store import ShardInfo, atomic_write_json, build_manifest, idx_bytes, shard_name
+    from tokenmill.base.io import atomic_write_json
+    from tokenmill.store import ShardInfo, build_manifest, idx_bytes, shard_name
     if (out / "manifest.json").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
