@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["by_value", "distinct", "exclusive_cumsum", "first_outside", "ranges", "stable_order"]
+__all__ = ["by_value", "distinct", "exclusive_cumsum", "first_outside", "is_run", "ranges",
+           "stable_order"]
 
 
 def exclusive_cumsum(a: np.ndarray) -> np.ndarray:
@@ -15,6 +16,16 @@ def exclusive_cumsum(a: np.ndarray) -> np.ndarray:
     out = np.zeros(len(a), dtype=np.int64)
     np.cumsum(a[:-1], out=out[1:])
     return out
+
+
+def is_run(values: np.ndarray) -> bool:
+    """Whether ``values`` (not empty) are consecutive and ascending, v0, v0 + 1, …: a permutation
+    of a run (a balanced rank's microbatches) is not one.
+
+    is_run(np.array([4, 5, 6])) and not is_run(np.array([4, 6, 5]))
+    """
+    n = len(values)
+    return int(values[-1]) - int(values[0]) == n - 1 and (n < 3 or bool((np.diff(values) == 1).all()))
 
 
 def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -12,7 +12,9 @@ exact and elastic resume hold as for the plan order::
     # 4 of the global positions 64 … 95, ascending: rank 1's rows of balance_rows(costs, world=8)
 
 A rank's rows stay in global order (ascending positions: the plan's fast paths copy them as
-they do the plan-order rows); the deal balances whole steps, not microbatches within a rank.
+they do the plan-order rows). With ``microbatches=m`` (m > 1) a rank's rows — the same set — come
+in m runs of B/m, each run ascending, dealt by cost (``balance.microbatch_rows``) so every
+(rank, microbatch) does near-equal work: rows [0, B/m) of a rank's batch are microbatch 0.
 """
 
 from __future__ import annotations
@@ -23,14 +25,21 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
-from tokenmill.load.balance import CostModel, balance_rows, cost_model_of, imbalance, rank_costs, \
-    row_costs
-from tokenmill.base.errors import ConfigError
+from tokenmill.load.balance import CostModel, balance_rows, cost_model_of, imbalance, \
+    microbatch_rows, rank_costs, row_costs
+from tokenmill.base.errors import ConfigError, check_int
 from tokenmill.load.cuts import row_parts
 from tokenmill.load.plan import BatchPlan, LayoutConfig, global_positions
 
-__all__ = ["Deal", "balance_of", "balanced_fingerprint", "balanced_positions", "deal",
-           "described", "row_lengths", "step_balance"]
+__all__ = ["Balancing", "Deal", "balance_of", "balanced_fingerprint", "balanced_positions",
+           "deal", "described", "in_microbatches", "recorded", "row_lengths", "step_balance"]
+
+
+class Balancing(NamedTuple):
+    """A balanced Loader's settings: the cost model, and the microbatches a rank's rows come in."""
+
+    model: CostModel
+    micro: int = 1
 
 
 class Deal(NamedTuple):
@@ -41,16 +50,26 @@ class Deal(NamedTuple):
     rows: np.ndarray  # int64 (W, B), each rank's ascending
 
 
-def balance_of(balance: Any, config: LayoutConfig) -> CostModel | None:
+def balance_of(balance: Any, config: LayoutConfig, microbatches: int = 1,
+               batch_size: Any = None) -> Balancing | None:
     """A Loader's ``balance`` setting checked against its layout: None (off), "attention" or a
-    CostModel, for rows that hold documents (packed, or concat with document_masks)."""
+    CostModel, for rows that hold documents (packed, or concat with document_masks); with
+    ``microbatches`` > 1, which must divide ``batch_size``."""
     model = cost_model_of(balance)
     if model is not None and config.layout != "packed" and not config.document_masks:
         raise ConfigError(f"balance={balance!r} needs rows whose documents are known: "
                           "layout='packed', or layout='concat' with document_masks=True (got "
                           f"layout={config.layout!r}); a concat window without document masks "
                           "attends across all of it, so every row costs the same")
-    return model
+    if microbatches > 1 and model is None:
+        raise ConfigError(f"microbatches={microbatches} orders a rank's rows by the cost of a "
+                          "balanced deal: give balance='attention' (or a CostModel) too, or drop "
+                          "microbatches")
+    if microbatches > 1 and check_int("batch_size", batch_size, minimum=1) % microbatches:
+        raise ConfigError(f"batch_size={batch_size} is not a multiple of microbatches="
+                          f"{microbatches}: each microbatch takes batch_size / microbatches rows; "
+                          f"make batch_size a multiple of {microbatches} or change microbatches")
+    return None if model is None else Balancing(model, microbatches)
 
 
 def described(model: CostModel | None) -> list[float] | None:
@@ -58,15 +77,27 @@ def described(model: CostModel | None) -> list[float] | None:
     return None if model is None else [float(model.a), float(model.b)]
 
 
-def balanced_fingerprint(fingerprint: str, model: CostModel | None) -> str:
-    """A plan's fingerprint with balance off; on, a hash of it and the cost model (a state saved
-    with one never loads into the other).
+def recorded(balance: Balancing | None) -> dict[str, Any]:
+    """What a Loader's stream record holds of its balance: nothing when off, the cost model
+    ("balance": [a, b]) and, when more than 1, "microbatches"."""
+    if balance is None:
+        return {}
+    return {"balance": described(balance.model),
+            **({"microbatches": balance.micro} if balance.micro > 1 else {})}
+
+
+def balanced_fingerprint(fingerprint: str, balance: Balancing | None) -> str:
+    """A plan's fingerprint with balance off; on, a hash of it, the cost model and (when more
+    than 1: states saved before microbatches existed still load) the microbatches; a state
+    saved with one never loads into another.
 
     balanced_fingerprint("9f2c", None) == "9f2c"
     """
-    if model is None:
+    if balance is None:
         return fingerprint
-    return xxhash.xxh3_64_hexdigest(json.dumps([fingerprint, "balance", described(model)]).encode())
+    micro = ["microbatches", balance.micro] if balance.micro > 1 else []
+    return xxhash.xxh3_64_hexdigest(json.dumps([fingerprint, "balance", described(balance.model),
+                                                *micro]).encode())
 
 
 def row_lengths(plan: BatchPlan, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -93,20 +124,33 @@ def deal(plan: BatchPlan, consumed: int, *, batch_size: int, world_size: int,
 
 
 def balanced_positions(plan: BatchPlan, consumed: int, *, batch_size: int, rank: int,
-                       world_size: int, model: CostModel) -> np.ndarray:
+                       world_size: int, balance: Balancing) -> np.ndarray:
     """Rank's global sample positions of the global batch at ``consumed``, dealt by cost
-    (ascending)."""
-    d = deal(plan, consumed, batch_size=batch_size, world_size=world_size, model=model)
-    return consumed + d.rows[rank]
+    (ascending; with microbatches, ascending within each microbatch)."""
+    d = deal(plan, consumed, batch_size=batch_size, world_size=world_size, model=balance.model)
+    return consumed + in_microbatches(d, rank, balance.micro)
+
+
+def in_microbatches(d: Deal, rank: int, micro: int) -> np.ndarray:
+    """Rank's row indices of deal ``d`` in ``micro`` cost-balanced microbatches (1: as dealt)."""
+    return d.rows[rank] if micro == 1 else microbatch_rows(d.costs, d.rows[rank], micro=micro)
 
 
 def step_balance(plan: BatchPlan, consumed: int, *, batch_size: int, world_size: int,
-                 model: CostModel) -> dict[str, Any]:
+                 balance: Balancing) -> dict[str, Any]:
     """The step at ``consumed``: max / mean cost across ranks, dealt and in plan order (rank r
-    takes rows r·B … (r+1)·B − 1), and the cost model."""
-    d = deal(plan, consumed, batch_size=batch_size, world_size=world_size, model=model)
+    takes rows r·B … (r+1)·B − 1), and the cost model; with microbatches, max / mean across
+    every (rank, microbatch) too, dealt and with each rank's rows in global order."""
+    d = deal(plan, consumed, batch_size=batch_size, world_size=world_size, model=balance.model)
     plan_order = np.arange(len(d.costs)).reshape(world_size, batch_size)
-    return {"step": consumed // (batch_size * world_size), "max_mean": imbalance(
-                rank_costs(d.costs, d.rows)),
-            "unbalanced_max_mean": imbalance(rank_costs(d.costs, plan_order)),
-            "cost_model": described(model)}
+    out = {"step": consumed // (batch_size * world_size), "max_mean": imbalance(
+               rank_costs(d.costs, d.rows)),
+           "unbalanced_max_mean": imbalance(rank_costs(d.costs, plan_order)),
+           "cost_model": described(balance.model)}
+    if balance.micro == 1:
+        return out
+    m, per = balance.micro, batch_size // balance.micro
+    dealt = np.stack([in_microbatches(d, r, m) for r in range(world_size)])
+    return {**out, "microbatches": m,
+            "microbatch_max_mean": imbalance(rank_costs(d.costs, dealt.reshape(-1, per))),
+            "microbatch_max_mean_in_order": imbalance(rank_costs(d.costs, d.rows.reshape(-1, per)))}

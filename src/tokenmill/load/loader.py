@@ -27,7 +27,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from tokenmill.load import pacing
-from tokenmill.load.balanced import balance_of, balanced_fingerprint, balanced_positions, described, \
+from tokenmill.load.balanced import balance_of, balanced_fingerprint, balanced_positions, recorded, \
     step_balance
 from tokenmill.base.errors import ConfigError, StaleIterator, check_int
 from tokenmill.load.lengthplan import length_plan, one_shape, schedule_of
@@ -91,7 +91,7 @@ class Loader(OneIterator):
         self.config = LayoutConfig(seq_len=seq_len if sched is None else sched.chunk_tokens,
                                    layout=layout, seed=seed, max_segments=opts.max_segments,
                                    document_masks=opts.document_masks)
-        self.balance = balance_of(opts.balance, self.config)  # None: plan order, as before
+        self.balance = balance_of(opts.balance, self.config, opts.microbatches, batch_size)
         self.batch_size = None if sched else check_int("batch_size", batch_size, minimum=1)
         self.rank, self.world_size = resolve_rank(
             check_int("rank", rank, minimum=0, optional=True),
@@ -151,7 +151,7 @@ class Loader(OneIterator):
         if self.balance is not None:
             return balanced_positions(self.plan, consumed, batch_size=self.batch_size,
                                       rank=self.rank, world_size=self.world_size,
-                                      model=self.balance)
+                                      balance=self.balance)
         rows = self.lengths.shape_at(consumed)[0] if self.lengths else self.batch_size
         return global_positions(consumed, batch_size=rows, rank=self.rank,
                                 world_size=self.world_size)
@@ -354,7 +354,7 @@ class Loader(OneIterator):
         in plan order (``balanced.step_balance``)."""
         gb = self.global_batch_size
         return step_balance(self.plan, max(0, self._consumed - gb), batch_size=self.batch_size,
-                            world_size=self.world_size, model=self.balance)
+                            world_size=self.world_size, balance=self.balance)
 
     def _tune(self, waited: float, now: float) -> None:
         """prefetch="auto": one batch deeper whenever a window of steps waited over 1% of its
@@ -426,7 +426,7 @@ class Loader(OneIterator):
                 **({"packing": packing_name(config.max_segments)} if config.layout == "packed"
                    else {}),
                 **({"document_masks": True} if config.document_masks else {}),
-                **({"balance": described(self.balance)} if self.balance else {}),
+                **recorded(self.balance),
                 **(self.lengths.describe() if self.lengths else {})}
 
     def resume_report(self, state: Mapping[str, Any]) -> list[Difference]:

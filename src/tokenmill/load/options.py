@@ -31,6 +31,7 @@ class LoaderOptions:
     # named stores: [(first global sample, {name: weight}), …] phases (docs/mixing.md)
     mixture: Sequence | None = None
     balance: Any = None  # "attention" or a balance.CostModel: ranks' rows dealt by cost
+    microbatches: int = 1  # balance: a rank's rows in this many cost-balanced runs
     # [(first step, seq_len), …] at tokens_per_step tokens a step (docs/guide-torch.md)
     seq_len_schedule: Sequence | None = None
     tokens_per_step: int | None = None
@@ -41,6 +42,8 @@ class LoaderOptions:
                                                            or_else="'auto'"))
         object.__setattr__(self, "epochs", check_int("epochs", self.epochs, minimum=1,
                                                      optional=True))
+        object.__setattr__(self, "microbatches", check_int("microbatches", self.microbatches,
+                                                           minimum=1))
         if np.dtype(self.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
             raise ConfigError(f"dtype must be 'int32' or 'int64' (got dtype={self.dtype!r})")
         if self.cache_dir is not None:

@@ -30,7 +30,7 @@ import numpy as np
 import xxhash
 
 from tokenmill.load import pack, sampler
-from tokenmill.base.arrays import by_value, distinct
+from tokenmill.base.arrays import by_value, distinct, is_run
 from tokenmill.base.errors import ConfigError, StoreError, check_int
 from tokenmill.base.io import FileId, file_id, redact
 from tokenmill.load.mixture import Mixture, mixture_of
@@ -379,7 +379,7 @@ class BatchPlan:
         """(store id, address) of every global sample position."""
         first, last = int(positions[0]), int(positions[-1])
         b = first // self.BLOCK
-        if last // self.BLOCK == b and last - first == len(positions) - 1:  # the usual case
+        if last // self.BLOCK == b and is_run(positions):  # the usual case
             sid, addr, _ = self._block(b)
             lo = first - b * self.BLOCK
             return sid[lo:lo + len(positions)], addr[lo:lo + len(positions)]
@@ -424,7 +424,7 @@ class BatchPlan:
         n, first = len(positions), int(positions[0])
         b = first // self.BLOCK
         if self.schedule is None and (first + n - 1) // self.BLOCK == b and \
-                int(positions[-1]) == first + n - 1:  # a rank's batch: the usual case
+                is_run(positions):  # a rank's batch: the usual case
             _, addr, starts = self._block(b)
             lo = first - b * self.BLOCK
             dest = self._dest.get(n)

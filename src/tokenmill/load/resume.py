@@ -74,6 +74,10 @@ def differences(saved: Mapping[str, Any], now: Mapping[str, Any],
     if bal[0] != bal[1]:  # recorded only when on: which rows each rank takes
         out.append(Difference(f"balance {bal[0] or 'off'} → {bal[1] or 'off'} (cost model [a, b] "
                               "of the ranks' deal; resume with the run's balance setting)", False))
+    micro = saved.get("microbatches", 1), now.get("microbatches", 1)
+    if micro[0] != micro[1]:  # recorded only when > 1: the order of each rank's rows
+        out.append(Difference(f"microbatches {micro[0]} → {micro[1]} (the order of a rank's "
+                              "rows; resume with the run's microbatches)", False))
     if sched[0] != sched[1]:  # recorded only when on: every step's seq_len and rows
         out.append(Difference(f"seq_len_schedule {_schedule(saved)} → {_schedule(now)} "
                               "(resume with the run's seq_len_schedule and tokens_per_step)",
