@@ -24,8 +24,12 @@ def is_run(values: np.ndarray) -> bool:
 
     is_run(np.array([4, 5, 6])) and not is_run(np.array([4, 6, 5]))
     """
-    n = len(values)
-    return int(values[-1]) - int(values[0]) == n - 1 and (n < 3 or bool((np.diff(values) == 1).all()))
+    n, first, last = len(values), int(values[0]), int(values[-1])
+    if last - first != n - 1:
+        return False
+    if n <= 64:  # a batch's positions: a list compare, 0.3 µs (np.diff and all: 3.7)
+        return values.tolist() == list(range(first, last + 1))
+    return bool((np.diff(values) == 1).all())
 
 
 def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
