@@ -25,6 +25,7 @@ window still short of rows is an error naming it.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -367,7 +368,10 @@ class PackedPlan:
                 pass
             finally:
                 self._ahead_busy = False
-        threading.Thread(target=run, name="tokenmill-pack-ahead", daemon=True).start()
+                AHEAD_THREADS.discard(threading.current_thread())
+        thread = threading.Thread(target=run, name="tokenmill-pack-ahead", daemon=True)
+        AHEAD_THREADS.add(thread)
+        thread.start()
 
     def pack(self, docs: np.ndarray, starts: np.ndarray, lengths: np.ndarray, rows: int
              ) -> tuple[pack.PackedLayout, int]:
@@ -445,6 +449,18 @@ class PackedPlan:
         return {"rows": self.num_rows, "documents_per_window": self.k,
                 "windows": self.num_windows(), "beta_rows": self.beta / self.seq_len,
                 "padding_at_most": 1 - used / (self.num_rows * self.capacity), **counts}
+
+
+AHEAD_THREADS: set[threading.Thread] = set()  # pack-ahead threads under way
+
+
+@atexit.register
+def _finish_packing() -> None:
+    """Let pack-ahead threads end before the interpreter does: one still inside numpy's sorts
+    (C++, the GIL released) when Python finalizes is torn down by pthread_exit through C++
+    frames, and the process aborts ("terminate called without an active exception")."""
+    for thread in list(AHEAD_THREADS):
+        thread.join(timeout=60)
 
 
 def epoch_layout(plan: PackedPlan, epoch: int) -> pack.PackedLayout:
