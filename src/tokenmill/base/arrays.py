@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["by_value", "distinct", "exclusive_cumsum", "first_outside", "is_run", "ranges",
-           "stable_order"]
+__all__ = ["as_rows", "by_value", "distinct", "exclusive_cumsum", "first_outside", "is_run",
+           "ranges", "stable_order"]
 
 
 def exclusive_cumsum(a: np.ndarray) -> np.ndarray:
@@ -90,3 +90,13 @@ def stable_order(a: np.ndarray) -> np.ndarray:
     if a.size and a.dtype.kind in "iu" and a.min() >= 0 and a.max() < 1 << 16:
         return np.argsort(a.astype(np.uint16), kind="stable")
     return np.argsort(a, kind="stable")
+
+
+def as_rows(dest: slice | np.ndarray) -> np.ndarray:
+    """Batch rows ``dest`` (a slice or an index array) as a contiguous int64 index array.
+
+    as_rows(slice(2, 5)).tolist() == [2, 3, 4]
+    """
+    if isinstance(dest, slice):
+        return np.arange(dest.start or 0, dest.stop, dtype=np.int64)
+    return np.ascontiguousarray(dest, dtype=np.int64).ravel()

@@ -17,12 +17,14 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from tokenmill.base.arrays import as_rows
+
 try:  # built from fastfill.pyx / fastpack.pyx by the install (optional: no C compiler, none)
     from tokenmill.load import fastfill, fastpack
 except ImportError:  # pragma: no cover - depends on the install
     fastfill = fastpack = None
 
-__all__ = ["best_fit", "enabled", "metadata_rows", "packed_rows", "status"]
+__all__ = ["ENABLED", "best_fit", "metadata_rows", "packed_rows", "status"]
 
 META = ("segment_ids", "positions", "loss_mask")
 ONE_SHARD = np.zeros(1, np.int64)  # the mapped shards of a one-shard store: shard 0
@@ -31,11 +33,6 @@ ONE_SHARD = np.zeros(1, np.int64)  # the mapped shards of a one-shard store: sha
 GROUP = 16
 # read once: a switch to compare the two paths, or to rule the compiled one out
 ENABLED = fastfill is not None and os.environ.get("TOKENMILL_FASTFILL", "1") != "0"
-
-
-def enabled() -> bool:
-    """True when the compiled filler is built and not turned off (``TOKENMILL_FASTFILL=0``)."""
-    return ENABLED
 
 
 def status() -> str:
@@ -73,7 +70,7 @@ def packed_rows(layout, ids: np.ndarray, dest: slice | np.ndarray, out: Mapping[
         except IndexError:
             return False  # a row id out of range: the caller's checks name it
         mapped = np.array(mapped, np.int64)
-    rows, partial = _rows(dest), len(mapped) > GROUP
+    rows, partial = as_rows(dest), len(mapped) > GROUP
     try:
         for at in range(0, len(mapped), GROUP):  # a few shards held at once: descriptors bounded
             group = mapped[at:at + GROUP]
@@ -100,7 +97,7 @@ def metadata_rows(row_ptr: np.ndarray, seg_len: np.ndarray, dest: slice | np.nda
         return fastfill.fill_metadata_rows(
             np.ascontiguousarray(row_ptr, dtype=np.int64),
             np.ascontiguousarray(seg_len, dtype=np.int64),
-            np.arange(len(row_ptr) - 1, dtype=np.int64), _rows(dest), *meta)
+            np.arange(len(row_ptr) - 1, dtype=np.int64), as_rows(dest), *meta)
     except (ValueError, TypeError, BufferError):
         return False
 
@@ -110,8 +107,3 @@ def _meta(out: Mapping[str, np.ndarray]) -> list | None:
     asked = [out[k] for k in META if k in out]
     return asked if len(asked) in (0, 3) else None
 
-
-def _rows(dest: slice | np.ndarray) -> np.ndarray:
-    if isinstance(dest, slice):
-        return np.arange(dest.start or 0, dest.stop, dtype=np.int64)
-    return np.ascontiguousarray(dest, dtype=np.int64).ravel()

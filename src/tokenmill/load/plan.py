@@ -30,12 +30,12 @@ import numpy as np
 import xxhash
 
 from tokenmill.load import pack, sampler
-from tokenmill.base.arrays import by_value, distinct, is_run
+from tokenmill.base.arrays import as_rows, by_value, distinct, is_run
 from tokenmill.base.errors import ConfigError, StoreError, check_int
 from tokenmill.base.io import FileId, file_id, redact
 from tokenmill.load.mixture import Mixture, mixture_of
 from tokenmill.load.packplan import PackedPlan, packing_name
-from tokenmill.load.rows import RowFiller, as_rows, as_slice, one_piece_starts
+from tokenmill.load.rows import RowFiller, as_slice, one_piece_starts
 from tokenmill.load.state import MAX_CONSUMED
 from tokenmill.store.format import MANIFEST, read_manifest
 from tokenmill.store.reader import TokenStore

@@ -28,8 +28,7 @@ import numpy as np
 from tokenmill.base.arrays import distinct, ranges
 from tokenmill.load import fastpath
 
-__all__ = ["RowFiller", "SLICE_SEGMENTS", "Shards", "as_rows", "as_slice", "one_piece_starts",
-           "row_at"]
+__all__ = ["RowFiller", "SLICE_SEGMENTS", "Shards", "as_slice", "one_piece_starts", "row_at"]
 
 SLICE_SEGMENTS = 32  # up to this many ranges a batch, slice copies beat building index arrays
 SLOW_COPY_S = 500e-6  # a batch's copies this slow read pages from disk (warm: ~10 µs)
@@ -216,14 +215,6 @@ def as_slice(rows: np.ndarray) -> slice | np.ndarray:
     if last - first == len(rows) - 1:
         return slice(first, last + 1)
     return rows
-
-
-def as_rows(dest: slice | np.ndarray) -> np.ndarray:
-    """Batch rows ``dest`` (a slice or an index array) as an index array.
-
-    as_rows(slice(2, 5)).tolist() == [2, 3, 4]
-    """
-    return np.arange(dest.start, dest.stop) if isinstance(dest, slice) else dest
 
 
 def row_at(dest: slice | np.ndarray, i: int) -> int:
