@@ -8,9 +8,9 @@ workers (``num_workers`` never changes the output) and filled in place into a sm
 preallocated buffers; a buffer is reused only when nothing outside the loader still references
 it (checked by reference count), so a batch you keep is never overwritten.
 
-Batches are dicts of numpy arrays of shape (batch_size, seq_len): ``inputs``, ``targets`` and, for
-the packed layout or concat with ``document_masks=True``, ``segment_ids``, ``positions``,
-``loss_mask``.
+Batches are dicts of numpy arrays (batch_size, seq_len): ``inputs``, ``targets`` and, packed or
+concat with ``document_masks=True``, ``segment_ids``, ``positions``, ``loss_mask``; ``thd=True``
+adds the varlen ``cu_seqlens`` and ``max_seqlen`` (``load.thd``: token-budget batches).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from tokenmill.load.ranks import CheckedFirst, agree
 from tokenmill.load.resume import consumed_from, report
 from tokenmill.load.ring import Ring, memory_plan
 from tokenmill.load.state import STATE_VERSION, Difference, respelled
+from tokenmill.load.thd import batch_form
 from tokenmill.store.reader import TokenStore
 from tokenmill.load.workers import ProcessPool
 
@@ -61,7 +62,7 @@ class Loader(OneIterator):
     ``for batch in Loader("store/", seq_len=2048, batch_size=8): ...``; batch k is the same for
     any num_workers, and ``load_state_dict(state_dict())`` resumes bit for bit. Less common
     settings are keywords too (``LoaderOptions``: prefetch, epochs, dtype, worker_type,
-    cache_dir, max_segments, document_masks, mixture, balance). Named stores with
+    cache_dir, max_segments, document_masks, mixture, balance, thd). Named stores with
     ``mixture=[(0, {"web": 0.9, "code": 0.1}), (80_000, {…})]`` change the mix at those global
     samples (docs/mixing.md). ``document_masks=True`` (concat) adds the documents' segment_ids,
     positions and loss_mask to each window (the Llama 3 recipe; docs/guide-torch.md).
@@ -92,6 +93,7 @@ class Loader(OneIterator):
                                    layout=layout, seed=seed, max_segments=opts.max_segments,
                                    document_masks=opts.document_masks)
         self.balance = balance_of(opts.balance, self.config, opts.microbatches, batch_size)
+        self.form = batch_form(opts.thd, self.config, batch_size, sched)  # load.thd
         self.batch_size = None if sched else check_int("batch_size", batch_size, minimum=1)
         self.rank, self.world_size = resolve_rank(
             check_int("rank", rank, minimum=0, optional=True),
@@ -118,13 +120,12 @@ class Loader(OneIterator):
         self._consumed, self._cuts = 0, Tally(0)  # cuts: counted when stats() asks
         self._auto_prefetch = opts.prefetch == "auto"
         self._tuning = {"wait": 0.0, "steps": 0, "since": None}
-        self._assemble_s = 0.0
+        self._assemble_s, self._ready, self._pool = 0.0, 0, None
         self._spans = None  # record_spans: where stage spans go (a trace), or None
         self._stage_lock = threading.Lock()
-        self._ready = 0
-        self._pool = None
-        self._ring = Ring(self.lengths.new_buffers if self.lengths else
-                          lambda: self.plan.new_buffers(self.batch_size), size=self.prefetch + 2)
+        self._new_buffers = lambda: self.form.buffers(self.plan.new_buffers(self.batch_size))
+        self._ring = Ring(self.lengths.new_buffers if self.lengths else self._new_buffers,
+                          size=self.prefetch + 2)
 
     # ---- the stream -------------------------------------------------------------------------
 
@@ -164,9 +165,9 @@ class Loader(OneIterator):
         """The batch of the step starting at global sample ``consumed`` (pure; for tests/tools)."""
         if out is None:
             out = self.lengths.new_buffers(self.lengths.shape_at(consumed)) if self.lengths \
-                else self.plan.new_buffers(self.batch_size)
+                else self._new_buffers()
         self._rows.fill(self.positions(consumed), out)
-        return out
+        return self.form.finish(out)
 
     def explain(self, step: int) -> list[RowOrigin]:
         """Where each row of this rank's batch at ``step`` (of this loader's batch size) came from:
@@ -219,7 +220,7 @@ class Loader(OneIterator):
             raise StaleIterator(token.why or "this loader was iterated again, loaded or closed")
         self.plan.check_stores()
         self._consumed += self.world_size * len(bufs["inputs"])  # the step's rows, all ranks
-        return self._ring.hand_out(bufs)
+        return self._ring.hand_out(self.form.finish(bufs))
 
     def _inline(self, token: Iteration) -> Iterator[dict[str, np.ndarray]]:
         remaining = self._remaining()
@@ -344,17 +345,16 @@ class Loader(OneIterator):
         else:
             info = {"mode": "ahead", "why": f"num_workers={self.num_workers} given"}
         return {**info, "workers": self.num_workers, "worker_type": self.worker_type,
-                "prefetch": self.prefetch, **({"balance": self._balance_stats()} if self.balance
-                                              else {}),
+                "prefetch": self.prefetch, **self._balance_stats(),
                 **({"seq_len_phase": self.lengths.stats(self._consumed)} if self.lengths
                    else {"cuts": self._cuts.count(self)})}
 
     def _balance_stats(self) -> dict[str, Any]:
-        """The last step handed out (else the first): max / mean cost across ranks, balanced and
-        in plan order (``balanced.step_balance``)."""
-        gb = self.global_batch_size
-        return step_balance(self.plan, max(0, self._consumed - gb), batch_size=self.batch_size,
-                            world_size=self.world_size, balance=self.balance)
+        """{"balance": …} when on, of the last step handed out (else the first): max / mean cost
+        across ranks, balanced and in plan order (``balanced.step_balance``)."""
+        return {"balance": step_balance(
+            self.plan, max(0, self._consumed - self.global_batch_size), batch_size=self.batch_size,
+            world_size=self.world_size, balance=self.balance)} if self.balance else {}
 
     def _tune(self, waited: float, now: float) -> None:
         """prefetch="auto": one batch deeper whenever a window of steps waited over 1% of its
@@ -391,7 +391,7 @@ class Loader(OneIterator):
     def buffer_bytes(self, prefetch: int | None = None) -> int:
         """Host memory the batch buffers take at a prefetch depth (ring = depth + 2 batches)."""
         bufs = self.lengths.new_buffers(self.lengths.shape_at(0)) if self.lengths else \
-            self.plan.new_buffers(self.batch_size)  # a schedule: every phase's the same bytes
+            self._new_buffers()  # a schedule: every phase's the same bytes
         per_batch = sum(a.nbytes for a in bufs.values())
         return per_batch * ((self.prefetch if prefetch is None else prefetch) + 2)
 

@@ -35,6 +35,7 @@ class LoaderOptions:
     # [(first step, seq_len), …] at tokens_per_step tokens a step (docs/guide-torch.md)
     seq_len_schedule: Sequence | None = None
     tokens_per_step: int | None = None
+    thd: bool = False  # packed: cu_seqlens (fixed slots), max_seqlen a batch (docs/balance.md)
 
     def __post_init__(self):  # frozen: the ints are made plain ints once, here
         if self.prefetch != "auto":
