@@ -205,3 +205,25 @@ def test_misuse_is_refused_in_one_line(store):
     with pytest.raises(ConfigError, match="thd=True needs one batch shape.*seq_len_schedule"):
         Loader(store, seq_len_schedule=[(0, 16), (3, 32)], tokens_per_step=64,
                document_masks=True, thd=True)
+
+
+def test_torch_batches_and_a_token_dataset_carry_the_varlen_arguments(store):
+    """to_torch hands them out as tensors; a TokenDataset's copies in DataLoader workers are
+    built with thd=True too (its spec carries it): the same batches as the Loader's."""
+    import torch
+    from tokenmill.torch import TokenDataset, to_torch
+    with loader(store, batch_size=2) as ld:
+        want = take(ld, 4)
+    with loader(store, batch_size=2) as ld:
+        assert same(take(to_torch(ld), 4), want)
+    with loader(store, batch_size=2) as ld:
+        got = torch.utils.data.DataLoader(TokenDataset(ld), batch_size=None, num_workers=2)
+        assert same(take(got, 4), want)
+
+
+def test_to_jax_refuses_thd_in_one_line(store):
+    """cu_seqlens index one process's rows: no global (batch, seq_len) array of them."""
+    from tokenmill.integrations.jax import to_jax
+    with loader(store) as ld, pytest.raises(ConfigError, match="to_jax makes global .* drop "
+                                                               "thd=True"):
+        to_jax(ld, None)

@@ -69,6 +69,10 @@ class JaxBatches(AheadOfLoader):
 
     def __init__(self, loader: Loader, sharding: jax.sharding.Sharding, *, depth: int = 2):
         one_shape(loader.seq_len_schedule, "to_jax")  # one global shape, made once
+        if loader.options.thd:  # cu_seqlens index one process's rows: no global array of them
+            raise ConfigError("to_jax makes global (batch, seq_len) arrays, and thd=True's "
+                              "cu_seqlens index this process's rows alone: drop thd=True (JAX "
+                              "attention takes the mask of tokenmill.jax.sequence_ids)")
         super().__init__(loader, depth)
         self.sharding = sharding
         B = loader.batch_size

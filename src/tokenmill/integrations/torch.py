@@ -254,7 +254,7 @@ def _loader_spec(loader: Loader) -> dict[str, Any]:
             "mixture": loader.describe()["mixture"],
             "batch_size": loader.batch_size, "layout": loader.config.layout,
             "seed": loader.config.seed, "max_segments": loader.config.max_segments,
-            "document_masks": loader.config.document_masks,
+            "document_masks": loader.config.document_masks, "thd": loader.options.thd,
             "rank": loader.rank, "world_size": loader.world_size,
             "epochs": loader.epochs, "dtype": loader.plan.dtype.name}
 
