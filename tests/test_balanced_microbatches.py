@@ -9,7 +9,7 @@ import pytest
 import xxhash
 from conftest import assert_resumes_exactly, take, write_positional_store
 
-from tokenmill import Loader
+from tokenmill import Loader, Meter
 from tokenmill.base.errors import ConfigError
 from tokenmill.load.balance import imbalance, microbatch_rows, row_costs, row_segments
 
@@ -108,6 +108,29 @@ def test_stats_report_max_mean_across_microbatches(store):
         imbalance(np.concatenate([micro_costs(b, m) for b in dealt])), rel=1e-12)
     assert got["microbatch_max_mean_in_order"] == pytest.approx(
         imbalance(np.concatenate([micro_costs(b, m) for b in in_order])), rel=1e-12)
+
+
+def test_the_meter_reports_max_mean_across_microbatches(store):
+    """The Meter's periodic line over rank 0 (logged as step 6 ends: the step handed out last is
+    step 5) shows max / mean across every (rank, microbatch), dealt and in global order, equal
+    to the figures computed from every rank's step-5 batch's segment_ids."""
+    world, per, m = 2, 8, 4
+    dealt, in_order, lines = [], [], []
+    for r in range(world):
+        with loader(store, rank=r, world=world, per=per, microbatches=m) as ld:
+            dealt.append(take(ld, 6)[5])
+        with loader(store, rank=r, world=world, per=per) as ld:
+            in_order.append(take(ld, 6)[5])
+    with loader(store, rank=0, world=world, per=per, microbatches=m) as ld:
+        take(Meter(ld, report_every=6, log=lines.append), 7)
+    want = (imbalance(np.concatenate([micro_costs(b, m) for b in dealt])),
+            imbalance(np.concatenate([micro_costs(b, m) for b in in_order])))
+    assert want[0] < want[1]  # a figure that says something
+    assert len(lines) == 1 and f"microbatches {want[0]:.3f} (in order {want[1]:.3f})" in lines[0]
+    with loader(store, rank=0, world=world, per=per) as ld:
+        meter = Meter(ld)
+        take(meter, 3)
+        assert "| balance " in meter.report() and "microbatches" not in meter.report()
 
 
 def test_resumes_exactly_at_every_step_with_microbatches(store):

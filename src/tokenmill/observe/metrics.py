@@ -332,7 +332,9 @@ class Meter:
 
         With a ModelCost that knows the peak, ``| MFU 41.3%`` comes before the verdict; with a
         balanced Loader, ``| balance 1.004 (unbalanced 1.310)``: the last step's max / mean
-        cost across ranks; with a seq_len_schedule, ``| seq_len 4,096 (phase 2 of 3)``.
+        cost across ranks, and with ``microbatches=m`` across every (rank, microbatch),
+        ``, microbatches 1.292 (in order 1.385)``; with a seq_len_schedule,
+        ``| seq_len 4,096 (phase 2 of 3)``.
         """
         s = self.summary()
         line = (f"step {s['steps']} | {s['tokens_per_s']:,.0f} tok/s | data wait "
@@ -341,6 +343,9 @@ class Meter:
             line += f" | MFU {100 * s['mfu']:.1f}%"
         if (b := (s["loader"] or {}).get("balance")) is not None:  # Loader(balance=…)
             line += f" | balance {b['max_mean']:.3f} (unbalanced {b['unbalanced_max_mean']:.3f})"
+            if "microbatch_max_mean" in b:  # microbatches=m: across every (rank, microbatch)
+                line += (f", microbatches {b['microbatch_max_mean']:.3f} (in order "
+                         f"{b['microbatch_max_mean_in_order']:.3f})")
         if (p := (s["loader"] or {}).get("seq_len_phase")) is not None:  # seq_len_schedule=…
             line += f" | seq_len {p['seq_len']:,} (phase {p['phase'] + 1} of {p['phases']})"
         return f"{line} | {s['verdict']}"
