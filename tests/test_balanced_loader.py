@@ -196,8 +196,12 @@ def test_the_plan_resolves_positions_in_any_order_across_blocks(stores):
 
 
 def test_the_balance_guide_runs_as_a_script(tmp_path):
-    """docs/balance.md: a balanced run across 4 ranks, checked, resumed on 2, refused unbalanced."""
+    """docs/balance.md: a balanced run across 4 ranks, checked, resumed on 2, refused unbalanced;
+    token-budget (THD) batches checked against the packed rows."""
+    import re
     from conftest import run_guide
     done = run_guide("balance.md", tmp_path)
-    assert done.stdout.strip().endswith("ok")
+    assert done.stdout.strip().endswith("thd ok")
     assert "resumed on 2 ranks at step 5" in done.stdout
+    assert re.search(r"\d+ sequences in 2048 tokens, the longest \d+: cu_seqlens \[0, .*2048\] "
+                     r"\+ \d+ empty", done.stdout), done.stdout
