@@ -227,3 +227,29 @@ def test_to_jax_refuses_thd_in_one_line(store):
     with loader(store) as ld, pytest.raises(ConfigError, match="to_jax makes global .* drop "
                                                                "thd=True"):
         to_jax(ld, None)
+
+
+def test_balanced_microbatches_each_have_their_own_cu_seqlens(store):
+    """balance + microbatches=m, one budget a microbatch: cu_seqlens (m, CAP + 1) and
+    max_seqlen (m,), row i counted independently from microbatch i's segment_ids, and fp64
+    attention through row i equals each of its documents alone; resume stays exact."""
+    m = 4
+    make = lambda: loader(store, batch_size=m, world=2, rank=1, balance="attention",  # noqa: E731
+                          microbatches=m)
+    rng = np.random.default_rng(8)
+    with make() as ld:
+        batches = take(ld, 10)
+    for batch in batches:
+        assert batch["cu_seqlens"].shape == (m, CAP + 1) and batch["max_seqlen"].shape == (m,)
+        for i in range(m):
+            micro = {k: batch[k][i:i + 1] for k in ("inputs", "segment_ids")}
+            micro |= {"cu_seqlens": batch["cu_seqlens"][i], "max_seqlen": batch["max_seqlen"][i]}
+            want = independent_cu(micro["segment_ids"], CAP + 1)
+            assert batch["cu_seqlens"][i].tolist() == want
+            assert int(batch["max_seqlen"][i]) == max(np.diff(want))
+            q, k, v = (rng.standard_normal((BUDGET, DIM)) for _ in range(3))
+            got = varlen_attention(micro, q, k, v)
+            for run in documents(micro):
+                alone = attend(q[run], k[run], v[run], np.tri(len(run), dtype=bool))
+                assert np.max(np.abs(got[run] - alone)) <= 1e-12
+    assert_resumes_exactly(make, 5)

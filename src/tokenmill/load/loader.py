@@ -93,7 +93,7 @@ class Loader(OneIterator):
                                    layout=layout, seed=seed, max_segments=opts.max_segments,
                                    document_masks=opts.document_masks)
         self.balance = balance_of(opts.balance, self.config, opts.microbatches, batch_size)
-        self.form = batch_form(opts.thd, self.config, batch_size, sched)  # load.thd
+        self.form = batch_form(opts.thd, self.config, batch_size, sched, opts.microbatches)
         self.batch_size = None if sched else check_int("batch_size", batch_size, minimum=1)
         self.rank, self.world_size = resolve_rank(
             check_int("rank", rank, minimum=0, optional=True),

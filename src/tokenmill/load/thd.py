@@ -22,7 +22,10 @@ sequence before it (``attention.varlen_args``: causality keeps it from every rea
 ``loss_mask`` is 0). Its length is fixed, B · S + 1 slots with S = ``max_segments`` (else
 seq_len: a row of L inputs holds at most L sequences), so every batch has the same shapes for
 torch.compile and CUDA graphs; the real offsets are ``cu[:np.searchsorted(cu, cu[-1]) + 1]``.
-``positions`` restart at 0 at each segment (RoPE). ``max_seqlen`` is at most seq_len, itself a
+``positions`` restart at 0 at each segment (RoPE). With ``balance=…, microbatches=m`` each
+microbatch (rows [i·B/m, (i+1)·B/m), near-equal attention work) has its own: ``cu_seqlens``
+(m, B/m · S + 1) into its own rows flattened, ``max_seqlen`` (m,) — ``batch_size=m``: m budgets
+a rank, one a microbatch. ``max_seqlen`` is at most seq_len, itself a
 valid bound for the kernels when reading the array back from a device would cost a sync.
 
 The two arrays are computed from the batch's own ``segment_ids`` when it is handed out (one
@@ -37,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.base.errors import ConfigError
+from tokenmill.base.errors import ConfigError, check_int
 from tokenmill.load.attention import varlen_args, varlen_slots
 from tokenmill.load.plan import LayoutConfig
 
@@ -47,15 +50,18 @@ __all__ = ["BatchForm", "batch_form"]
 @dataclass(frozen=True)
 class BatchForm:
     """What a Loader's batch holds beyond its rows: nothing (``slots`` None), or the THD
-    ``cu_seqlens`` (``slots`` int32 offsets) and ``max_seqlen``."""
+    ``cu_seqlens`` (``slots`` int32 offsets) and ``max_seqlen`` — of each of ``micro``
+    microbatches when more than 1: arrays (micro, slots) and (micro,)."""
 
     slots: int | None = None
+    micro: int = 1
 
     def buffers(self, bufs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """``bufs`` (a batch's row arrays) with the form's own arrays added."""
         if self.slots is not None:
-            bufs["cu_seqlens"] = np.zeros(self.slots, np.int32)
-            bufs["max_seqlen"] = np.zeros((), np.int32)
+            lead = () if self.micro == 1 else (self.micro,)
+            bufs["cu_seqlens"] = np.zeros((*lead, self.slots), np.int32)
+            bufs["max_seqlen"] = np.zeros(lead, np.int32)
         return bufs
 
     def finish(self, bufs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -66,18 +72,19 @@ class BatchForm:
         """
         if self.slots is None:
             return bufs
-        cu, longest = varlen_args(bufs["segment_ids"], pad_to=self.slots)
         if "cu_seqlens" not in bufs:  # batch_at(out=) of arrays the Loader did not make
             self.buffers(bufs)
-        bufs["cu_seqlens"][...] = cu
-        bufs["max_seqlen"][...] = longest
+        cu, longest = bufs["cu_seqlens"].reshape(self.micro, -1), bufs["max_seqlen"].reshape(-1)
+        for i, rows in enumerate(np.split(bufs["segment_ids"], self.micro)):
+            cu[i], longest[i] = varlen_args(rows, pad_to=self.slots)
         return bufs
 
 
-def batch_form(thd: Any, config: LayoutConfig, batch_size: int | None,
-               schedule: Any = None) -> BatchForm:
+def batch_form(thd: Any, config: LayoutConfig, batch_size: int | None, schedule: Any = None,
+               microbatches: int = 1) -> BatchForm:
     """A Loader's ``thd`` setting checked against its layout: the rows' form alone (False), or
-    with THD varlen arguments of B · (max_segments or seq_len) + 1 slots (True)."""
+    with THD varlen arguments of (B / microbatches) · (max_segments or seq_len) + 1 slots each
+    microbatch (True; ``balanced.balance_of`` has checked that microbatches divides B)."""
     if not isinstance(thd, bool):
         raise ConfigError(f"thd must be True or False (got thd={thd!r})")
     if not thd:
@@ -91,4 +98,5 @@ def batch_form(thd: Any, config: LayoutConfig, batch_size: int | None,
                           "of documents up to seq_len tokens a row), or layout='concat' with "
                           f"document_masks=True (got layout={config.layout!r}); a plain concat "
                           "window is one sequence")
-    return BatchForm(varlen_slots(batch_size, config.max_segments or config.seq_len))
+    rows = check_int("batch_size", batch_size, minimum=1) // microbatches
+    return BatchForm(varlen_slots(rows, config.max_segments or config.seq_len), microbatches)
