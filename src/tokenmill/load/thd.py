@@ -8,11 +8,13 @@ fills it with whole documents up to the budget (best fit within a window of docu
 document longer than the budget into pieces, and pads the rest. So THD here is a form of the
 packed plan's batch, not a second plan: the rows, their order, the epoch's coverage (every
 (input, target) pair once), resume and elastic resume are the packed layout's, and the state is
-the same (a checkpoint of a loader with ``thd=True`` loads into one without, and back)::
+the same (a checkpoint of a loader with ``thd=True`` loads into one without, and back).
+(``cpsplit.token_budget``'s in-order greedy runs would make step k depend on every document
+before it: a scan of the epoch on every rank, which the plan's scale rule rules out.)::
 
     ld = Loader("store/", seq_len=8192, batch_size=1, layout="packed", max_segments=64,
                 thd=True)
-    batch = next(ld)   # inputs, targets, positions, segment_ids, loss_mask: (1, 8192) as ever
+    batch = next(iter(ld))  # inputs, targets, positions, segment_ids, loss_mask: (1, 8192)
     batch["cu_seqlens"]  # int32 (65,): 0, …, 8192, then 8192 repeated (empty sequences)
     batch["max_seqlen"]  # int32 (): the longest sequence
 
@@ -25,8 +27,8 @@ torch.compile and CUDA graphs; the real offsets are ``cu[:np.searchsorted(cu, cu
 ``positions`` restart at 0 at each segment (RoPE). With ``balance=…, microbatches=m`` each
 microbatch (rows [i·B/m, (i+1)·B/m), near-equal attention work) has its own: ``cu_seqlens``
 (m, B/m · S + 1) into its own rows flattened, ``max_seqlen`` (m,) — ``batch_size=m``: m budgets
-a rank, one a microbatch. ``max_seqlen`` is at most seq_len, itself a
-valid bound for the kernels when reading the array back from a device would cost a sync.
+a rank, one a microbatch. ``max_seqlen`` is at most seq_len, itself a valid bound for the
+kernels when reading the array back from a device would cost a sync.
 
 The two arrays are computed from the batch's own ``segment_ids`` when it is handed out (one
 vectorised pass), in the consumer's thread, so inline, thread and process workers give the same
