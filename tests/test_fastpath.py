@@ -171,6 +171,76 @@ def test_best_fit_places_every_item_in_the_rows_of_the_python_path(capacity):
             assert np.array_equal(compiled, _best_fit(lengths, capacity, first))
 
 
+def python_window(lengths, starts, docs, seq_len: int, rows: int, ordered: bool = False):
+    """``PackedPlan.pack``'s arrays by the Python path (the reference and the fallback)."""
+    from tokenmill.load.pack import pieces
+    from tokenmill.load.packfit import fit_rows
+    doc, off, length = pieces(lengths, seq_len)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fastpath, "ENABLED", False)
+        item, seg_off, seg_len, row_ptr, cut = fit_rows(length, seq_len + 1, rows, None, ordered)
+    return row_ptr, starts[doc[item]] + off[item] + seg_off, seg_len, docs[doc[item]], cut
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+@pytest.mark.parametrize("seq_len", [1, 2, 7, 64, 2048])
+def test_a_window_packs_into_the_rows_of_the_python_path(seq_len, ordered):
+    # pieces of long documents, empty documents, every natural row count against the allotment:
+    # equal rows, rows to split (by segments, then by halving the longest), and too few rows
+    # (the Python path squeezes: the compiled one declines)
+    from tokenmill.load.pack import pieces, place
+    rng = np.random.default_rng(seq_len)
+    cap = seq_len + 1
+    for trial in range(120):
+        n = int(rng.integers(0, 200))
+        lengths = [rng.integers(0, 3 * cap, n), rng.integers(0, max(2, cap // 10), n),
+                   rng.choice([0, 1, 2, cap - 1, cap, cap + 1, 2 * seq_len + 1], n),
+                   np.minimum(4 * cap, rng.geometric(0.02, n))][trial % 4].astype(np.int64)
+        starts = 7 + np.cumsum(lengths) - lengths  # where each document starts
+        docs = rng.permutation(10 * n + 1)[:n].astype(np.int64)
+        natural = len(place(pieces(lengths, seq_len)[2], cap, None, ordered)[1])
+        for rows in {natural, natural + 1, natural + int(rng.integers(2, 40)), max(0, natural - 1)}:
+            compiled = fastpath.pack_window(lengths, starts, docs, seq_len, rows, ordered)
+            if rows < natural:
+                assert compiled is None
+                continue
+            ref = python_window(lengths, starts, docs, seq_len, rows, ordered)
+            assert compiled is not None and len(compiled[0]) == rows + 1
+            for got, want in zip(compiled, ref):
+                assert np.array_equal(got, want), (trial, rows, natural)
+
+
+@pytest.mark.parametrize("seq_len,packing", [(64, "strata-v1"), (512, "strata-ordered-v1")])
+def test_a_plan_packs_the_same_windows_either_way(tmp_path, seq_len, packing):
+    lens = np.array([1 + i * 7 % 37 + (300 if i % 97 == 0 else 0) for i in range(3000)])
+    store = write_token_store(tmp_path / "s", np.arange(int(lens.sum())) % 1000, lens)
+    layouts = {}
+    for on in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fastpath, "ENABLED", on)
+            with Loader(store, seq_len=seq_len, batch_size=4, layout="packed") as loader:
+                assert loader.describe()["packing"] == packing
+                layouts[on] = [{k: a.copy() for k, a in loader.batch_at(4 * k).items()}
+                               for k in range(0, 200, 7)]
+    for a, b in zip(layouts[True], layouts[False]):
+        assert_same(a, b)
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 5, 65, 2049])
+def test_open_fit_places_every_item_in_the_rows_of_the_python_path(capacity):
+    from tokenmill.load.pack import OPEN_ROWS, _open_fit  # the reference (also the fallback)
+    assert fastpath.fastpack.OPEN_ROWS == OPEN_ROWS
+    rng = np.random.default_rng(capacity)
+    for trial in range(100):
+        n = int(rng.integers(0, 400))
+        lengths = [rng.integers(1, capacity + 1, n), rng.integers(1, max(2, capacity // 20), n),
+                   np.minimum(capacity, rng.geometric(0.05, n))][trial % 3].astype(np.int64)
+        compiled = fastpath.open_fit(lengths, capacity)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fastpath, "ENABLED", False)
+            assert np.array_equal(compiled, _open_fit(lengths, capacity))
+
+
 def test_best_fit_refuses_what_it_cannot_place():
     assert fastpath.best_fit(np.array([7, 3]), 6, 0) is None  # longer than a row
     assert fastpath.best_fit(np.array([5, 0]), 6, 0) is None  # empty

@@ -8,7 +8,7 @@ import pytest
 from conftest import lengths_summing_to, write_positional_store, write_sparse_store
 
 from tokenmill import Loader
-from tokenmill.load import pack
+from tokenmill.load import pack, packplan
 from tokenmill.base.errors import ConfigError
 from tokenmill.load.packfit import fit_rows
 from tokenmill.load.packplan import PackedPlan, docs_per_window, epoch_layout
@@ -82,6 +82,35 @@ def test_every_pair_exactly_once_per_epoch(tmp_path, seq_len, cap, seed):
                 assert np.diff(layout.row_ptr).max() <= cap
             first = layout.seg_start.copy() if first is None else first
         assert not np.array_equal(first, layout.seg_start)  # another epoch, other rows
+
+
+def test_a_store_of_short_documents_packs_rows_of_neighbours(tmp_path):
+    # ~34 documents a row: windows packed in order (the open fit), every pair still once an epoch,
+    # as dense as best-fit decreasing, and a row's documents lie near each other in the window
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 60, size=20_000)
+    write_positional_store(tmp_path / "s", lengths, shard_tokens=200_000)
+    with TokenStore(tmp_path / "s") as store:
+        spreads = {}
+        for ordered in (True, False):
+            with pytest.MonkeyPatch.context() as mp:
+                if not ordered:  # the same store packed by best-fit decreasing, to compare
+                    mp.setattr(packplan, "ordered_packing", lambda *a: False)
+                plan = PackedPlan(store, seq_len=1024, max_segments=None, seed=1, salt=0)
+            assert plan.packing == ("strata-ordered-v1" if ordered else "strata-v1")
+            for epoch in (0, 1):
+                layout = epoch_layout(plan, epoch)
+                assert np.array_equal(pair_starts(layout.seg_start, layout.seg_len),
+                                      store_pairs(lengths))
+            rows = plan.window_rows(0, 0)
+            place_of = {d: i for i, d in enumerate(plan.window_docs(0, 0).tolist())}
+            lay = rows.layout
+            at = np.array([place_of[d] for d in lay.seg_doc.tolist()])
+            spreads[ordered] = np.median([np.ptp(at[a:b]) for a, b in
+                                          zip(lay.row_ptr[:-1], lay.row_ptr[1:]) if b > a])
+            natural = len(pack.place(lay.seg_len, plan.capacity, None, ordered)[1])
+            assert natural <= len(rows.order)  # it fits the rows the plan allots
+        assert spreads[True] < 0.01 * plan.k < 0.3 * plan.k < spreads[False], (spreads, plan.k)
 
 
 def test_rows_of_draws_are_the_epoch_rows_in_order(tmp_path):

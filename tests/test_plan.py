@@ -116,7 +116,7 @@ def test_packed_rows_by_slices_equal_the_index_gather_path(tmp_path, dtype):
         for a, b in zip(got.values(), want.values()):
             a.fill(7)
             b.fill(7)
-        sliced = src.rows.packed(layout, addrs, one_piece_starts(layout, addrs), rows, got)
+        sliced = src.rows.packed(layout, addrs, rows, got)
         compared += sliced
         n_segs = int(layout.row_ptr[addrs + 1].sum() - layout.row_ptr[addrs].sum())
         assert sliced == (n_segs <= SLICE_SEGMENTS)  # more: left to the index gather

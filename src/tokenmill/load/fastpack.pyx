@@ -8,12 +8,13 @@ lowest set bit at or above a length), each room's rows in a binary min-heap. The
 a window packed ahead in a thread no longer stalls the training loop's thread.
 """
 
-from libc.stdint cimport int64_t, uint64_t
-from libc.stdlib cimport calloc, free, realloc
+from libc.stdint cimport int64_t, uint8_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.string cimport memset
 
 import numpy as np
 
-__all__ = ["best_fit"]
+__all__ = ["OPEN_ROWS", "best_fit", "open_fit", "pack_window", "work_size"]
 
 cdef extern from *:
     int __builtin_ctzll(unsigned long long) nogil
@@ -86,10 +87,10 @@ cdef Py_ssize_t lowest_at_or_above(const uint64_t* bits, Py_ssize_t words,
         word = bits[w]
 
 
-cdef int fit(const int64_t[::1] lengths, int64_t capacity, int64_t first_row,
-             int64_t[::1] rows) noexcept nogil:
-    """``rows`` of every item; -1 when out of memory, -2 for a length outside [1, capacity]."""
-    cdef Py_ssize_t n = lengths.shape[0], i = 0, end, j, words = (capacity >> 6) + 1
+cdef int fit(const int64_t* lengths, Py_ssize_t n, int64_t capacity, int64_t first_row,
+             int64_t* rows) noexcept nogil:
+    """``rows`` of the ``n`` items; -1 when out of memory, -2 for a length outside [1, capacity]."""
+    cdef Py_ssize_t i = 0, end, j, words = (capacity >> 6) + 1
     cdef Heap* heaps = <Heap*>calloc(capacity + 1, sizeof(Heap))
     cdef uint64_t* bits = <uint64_t*>calloc(words, sizeof(uint64_t))
     cdef int64_t length, room, row, k, next_row = first_row
@@ -148,8 +149,351 @@ def best_fit(lengths, int64_t capacity, int64_t first_row):
     cdef int status
     if capacity < 1:
         return None
+    if lens.shape[0] == 0:
+        return out
     with nogil:
-        status = fit(lens, capacity, first_row, rows)
+        status = fit(&lens[0], lens.shape[0], capacity, first_row, &rows[0])
     if status == -1:
         raise MemoryError("best fit: out of memory")
     return None if status == -2 else out
+
+
+# ---- a whole window: pieces, best fit decreasing, rows split to the allotment --------------------
+
+cdef struct Pairs:  # a binary min-heap of (a, b) pairs, ordered as Python orders tuples
+    int64_t* a
+    int64_t* b
+    Py_ssize_t size
+
+
+cdef inline bint less(int64_t a1, int64_t b1, int64_t a2, int64_t b2) noexcept nogil:
+    return a1 < a2 or (a1 == a2 and b1 < b2)
+
+
+cdef void pair_push(Pairs* h, int64_t a, int64_t b) noexcept nogil:
+    """Add (a, b) (room for it was allocated)."""
+    cdef Py_ssize_t i = h.size, parent
+    h.size += 1
+    while i > 0:
+        parent = (i - 1) >> 1
+        if not less(a, b, h.a[parent], h.b[parent]):
+            break
+        h.a[i], h.b[i] = h.a[parent], h.b[parent]
+        i = parent
+    h.a[i], h.b[i] = a, b
+
+
+cdef void pair_pop(Pairs* h) noexcept nogil:
+    """Remove the least pair (the heap is not empty)."""
+    cdef Py_ssize_t i = 0, child
+    cdef int64_t a, b
+    h.size -= 1
+    if h.size == 0:
+        return
+    a, b = h.a[h.size], h.b[h.size]
+    while True:
+        child = 2 * i + 1
+        if child >= h.size:
+            break
+        if child + 1 < h.size and less(h.a[child + 1], h.b[child + 1], h.a[child], h.b[child]):
+            child += 1
+        if not less(h.a[child], h.b[child], a, b):
+            break
+        h.a[i], h.b[i] = h.a[child], h.b[child]
+        i = child
+    h.a[i], h.b[i] = a, b
+
+
+cdef int split_rows(int64_t* item, int64_t* off, int64_t* seg_len, int64_t* row,
+                    Py_ssize_t* size_io, Py_ssize_t n, Py_ssize_t rows, uint8_t* cut
+                    ) noexcept nogil:
+    """``packfit._split``, exactly: new rows n … rows-1 each take the second half of the segments
+    of the row with the most (ties: the lowest row), or, when every row has one, the second half
+    of the longest segment (ties: the first); -1 when out of memory."""
+    cdef Py_ssize_t size = size_io[0], grow = rows - n, j, r, new, at, cap_most, cap_long
+    cdef int64_t half, x, g
+    cdef int64_t* cnt = <int64_t*>calloc(rows + 1, sizeof(int64_t))
+    cdef int64_t* first = <int64_t*>calloc(rows + 1, sizeof(int64_t))
+    cdef Pairs most, longest
+    cap_most = n + 3 * grow + 1
+    cap_long = size + 2 * grow + 1
+    most.a = <int64_t*>malloc(cap_most * sizeof(int64_t))
+    most.b = <int64_t*>malloc(cap_most * sizeof(int64_t))
+    most.size = 0
+    longest.a = longest.b = NULL
+    longest.size = -1  # made at first need
+    cdef int status = 0
+    if cnt == NULL or first == NULL or most.a == NULL or most.b == NULL:
+        status = -1
+    else:
+        for j in range(size):
+            cnt[row[j]] += 1
+        for r in range(1, rows):
+            first[r] = first[r - 1] + cnt[r - 1]
+        for r in range(n):
+            pair_push(&most, -cnt[r], r)
+        for new in range(n, rows):
+            while most.size and -most.a[0] != cnt[most.b[0]]:
+                pair_pop(&most)
+            if most.size and -most.a[0] >= 2:
+                r = most.b[0]
+                half = cnt[r] // 2
+                first[new], cnt[new], cnt[r] = first[r] + half, cnt[r] - half, half
+                for j in range(first[new], first[new] + cnt[new]):
+                    row[j] = new
+                pair_push(&most, -half, r)
+                pair_push(&most, -cnt[new], new)
+                continue
+            if longest.size < 0:
+                longest.a = <int64_t*>malloc(cap_long * sizeof(int64_t))
+                longest.b = <int64_t*>malloc(cap_long * sizeof(int64_t))
+                if longest.a == NULL or longest.b == NULL:
+                    status = -1
+                    break
+                longest.size = 0
+                for j in range(size):
+                    pair_push(&longest, -seg_len[j], j)
+            while longest.size and -longest.a[0] != seg_len[longest.b[0]]:
+                pair_pop(&longest)
+            if not longest.size or -longest.a[0] < 3:
+                continue  # nothing left to split: an empty row
+            at = longest.b[0]
+            x = seg_len[at]
+            g = (x + 1) // 2
+            seg_len[at] = g
+            item[size], off[size], seg_len[size], row[size] = item[at], off[at] + g - 1, x - g + 1, new
+            first[new], cnt[new] = size, 1
+            pair_push(&longest, -g, at)
+            pair_push(&longest, -(x - g + 1), size)
+            pair_push(&most, -1, new)
+            cut[item[at]] = 1
+            size += 1
+    size_io[0] = size
+    free(cnt)
+    free(first)
+    free(most.a)
+    free(most.b)
+    free(longest.a)
+    free(longest.b)
+    return status
+
+
+cdef int by_key(const int64_t* key, Py_ssize_t n, int64_t buckets, int64_t* out) noexcept nogil:
+    """``out``: indices 0 … n-1 in stable order of ``key`` (each in [0, buckets)); -1 when out of
+    memory."""
+    cdef int64_t* count = <int64_t*>calloc(buckets + 1, sizeof(int64_t))
+    cdef Py_ssize_t i
+    if count == NULL:
+        return -1
+    for i in range(n):
+        count[key[i] + 1] += 1
+    for i in range(buckets):
+        count[i + 1] += count[i]
+    for i in range(n):
+        out[count[key[i]]] = i
+        count[key[i]] += 1
+    free(count)
+    return 0
+
+
+cdef Py_ssize_t count_pieces(const int64_t[::1] lengths, int64_t seq_len) noexcept nogil:
+    """Items ``pack.pieces`` makes of these documents; -1 for a negative length."""
+    cdef Py_ssize_t i, total = 0
+    cdef int64_t x, cap = seq_len + 1
+    for i in range(lengths.shape[0]):
+        x = lengths[i]
+        if x < 0:
+            return -1
+        total += (x - 2) // seq_len + 1 if x > cap else (1 if x > 0 else 0)
+    return total
+
+
+OPEN_ROWS = 32  # pack.OPEN_ROWS (checked equal by the tests)
+cdef enum:
+    OPEN = 32  # a power of two: a row's slot in the ring of open rows is row & (OPEN - 1)
+
+
+cdef int open_fit_rows(const int64_t* lengths, Py_ssize_t n, int64_t capacity,
+                       int64_t* rows) noexcept nogil:
+    """``pack._open_fit``: each item to the open row (the OPEN rows made last) of least room
+    that fits, ties to the lowest row, else to a new row; -2 for a length outside [1, capacity]."""
+    cdef int64_t room[OPEN]
+    cdef int64_t oldest = 0, made = 0, r, best, least, x, left
+    cdef Py_ssize_t i
+    for i in range(n):
+        x = lengths[i]
+        if x < 1 or x > capacity:
+            return -2
+        best, least = -1, capacity + 1
+        for r in range(oldest, made):  # ascending rows: a tie keeps the lowest
+            left = room[r & (OPEN - 1)]
+            if x <= left < least:
+                best, least = r, left
+        if best < 0:
+            best = made
+            room[made & (OPEN - 1)] = capacity
+            made += 1
+            if made - oldest > OPEN:
+                oldest += 1
+        room[best & (OPEN - 1)] -= x
+        rows[i] = best
+    return 0
+
+
+def open_fit(lengths, int64_t capacity):
+    """``pack._open_fit``'s rows, compiled; None for a length outside [1, capacity]."""
+    cdef const int64_t[::1] lens = np.ascontiguousarray(lengths, dtype=np.int64)
+    out = np.empty(lens.shape[0], dtype=np.int64)
+    cdef int64_t[::1] rows = out
+    cdef int status
+    if lens.shape[0] == 0:
+        return out
+    with nogil:
+        status = open_fit_rows(&lens[0], lens.shape[0], capacity, &rows[0])
+    return None if status != 0 else out
+
+
+cdef struct Work:
+    # a window's working arrays: pieces (document, offset, length), the order placed, the rows
+    # placed, and the segments (piece, offset in it, length, row) with room for split rows
+    int64_t* pdoc
+    int64_t* poff
+    int64_t* plen
+    int64_t* order
+    int64_t* placed
+    int64_t* perm
+    int64_t* item
+    int64_t* off
+    int64_t* seg_len
+    int64_t* row
+    uint8_t* cut
+
+
+cdef int window(const int64_t[::1] lengths, int64_t seq_len, Py_ssize_t rows, Py_ssize_t total,
+                bint ordered, Work* w, Py_ssize_t* size_out) noexcept nogil:
+    """``packfit.fit_rows(*pack.pieces(lengths, seq_len)[2:], …)`` into ``w``, before the last
+    sort by row; 1 when the window needs more rows than ``rows`` (the Python path squeezes them),
+    -1 when out of memory."""
+    cdef Py_ssize_t i, j, k, p = 0, n_full = 0
+    cdef int64_t x, cap = seq_len + 1
+    for i in range(lengths.shape[0]):  # pack.pieces: documents, then pieces, in order
+        x = lengths[i]
+        k = (x - 2) // seq_len + 1 if x > cap else (1 if x > 0 else 0)
+        for j in range(k):
+            w.pdoc[p], w.poff[p] = i, j * seq_len
+            w.plen[p] = cap if x - j * seq_len > cap else x - j * seq_len
+            p += 1
+    if ordered:  # pack.place(ordered=True): rows of nearby pieces, in their own order
+        for i in range(total):
+            w.order[i] = i
+        k = open_fit_rows(w.plen, total, cap, w.placed)
+        if k != 0:
+            return 2
+        return grouped(w, total, rows, size_out)
+    for i in range(total):  # pack.place: decreasing length, ties by piece (a stable sort)
+        w.seg_len[i] = cap - w.plen[i]
+    if by_key(w.seg_len, total, cap, w.order) != 0:
+        return -1
+    for i in range(total):
+        w.seg_len[i] = w.plen[w.order[i]]
+        if w.seg_len[i] == cap:
+            n_full += 1
+    for i in range(n_full):  # a full piece fills a row alone
+        w.placed[i] = i
+    if total > n_full:
+        k = fit(w.seg_len + n_full, total - n_full, cap, n_full, w.placed + n_full)
+        if k != 0:
+            return -1 if k == -1 else 2
+    return grouped(w, total, rows, size_out)
+
+
+cdef int grouped(Work* w, Py_ssize_t total, Py_ssize_t rows, Py_ssize_t* size_out
+                 ) noexcept nogil:
+    """Pieces ``w.order[i]`` placed in rows ``w.placed[i]`` as segments in row order (each row
+    as placed), its rows split to ``rows`` (``packfit._split``); 1 when it needs more rows."""
+    cdef Py_ssize_t i, j
+    cdef int64_t n = 0
+    for i in range(total):
+        if w.placed[i] + 1 > n:
+            n = w.placed[i] + 1
+    if n > rows:
+        return 1
+    if by_key(w.placed, total, n, w.perm) != 0:  # segments in row order, each row as placed
+        return -1
+    for i in range(total):
+        j = w.perm[i]
+        w.item[i], w.off[i], w.row[i] = w.order[j], 0, w.placed[j]
+        w.seg_len[i] = w.plen[w.item[i]]
+    size_out[0] = total
+    if n < rows:
+        return split_rows(w.item, w.off, w.seg_len, w.row, size_out, n, rows, w.cut)
+    return 0
+
+
+WORK_ARRAYS = 11  # int64 arrays a window's work takes, each of its pieces + rows + 1 entries
+
+
+def pack_window(lengths, starts, docs, int64_t seq_len, Py_ssize_t rows, work=None,
+                bint ordered=False):
+    """A window's documents (``lengths``, their global first tokens ``starts`` and ids ``docs``)
+    in exactly ``rows`` rows of seq_len + 1 tokens, as ``packplan.PackedPlan.pack`` makes them
+    with no cap: (row_ptr, seg_start, seg_len, seg_doc, documents cut); None when the window
+    needs more rows than that (the Python path squeezes it) or a length is negative. ``work``: a
+    1-D int64 array of at least ``work_size`` entries to work in (kept by the caller between
+    windows: fresh memory costs a page fault per 4 KiB, most of the time on some machines).
+    ``ordered``: pieces placed by ``pack._open_fit`` in their order instead of best fit
+    decreasing."""
+    cdef const int64_t[::1] lens = np.ascontiguousarray(lengths, dtype=np.int64)
+    cdef const int64_t[::1] first = np.ascontiguousarray(starts, dtype=np.int64)
+    cdef const int64_t[::1] ids = np.ascontiguousarray(docs, dtype=np.int64)
+    if seq_len < 1 or rows < 0 or first.shape[0] != lens.shape[0] or ids.shape[0] != lens.shape[0]:
+        return None
+    cdef Py_ssize_t total = count_pieces(lens, seq_len), room, size = 0, i, j
+    if total < 0:
+        return None
+    room = total + rows + 1
+    if work is None or work.shape[0] < WORK_ARRAYS * room:
+        work = np.empty(WORK_ARRAYS * room, dtype=np.int64)
+    cdef int64_t[::1] buf = work
+    cdef int64_t* at = &buf[0]
+    cdef Work w
+    cdef int status
+    cdef int64_t num_cut = 0, it
+    w.pdoc, w.poff, w.plen = at, at + room, at + 2 * room
+    w.order, w.placed, w.perm = at + 3 * room, at + 4 * room, at + 5 * room
+    w.item, w.off, w.seg_len, w.row = at + 6 * room, at + 7 * room, at + 8 * room, at + 9 * room
+    w.cut = <uint8_t*>(at + 10 * room)
+    out_ptr = np.zeros(rows + 1, dtype=np.int64)
+    out_start = np.empty(room, dtype=np.int64)
+    out_len = np.empty(room, dtype=np.int64)
+    out_doc = np.empty(room, dtype=np.int64)
+    cdef int64_t[::1] row_ptr = out_ptr, seg_start = out_start, seg_len = out_len, seg_doc = out_doc
+    with nogil:
+        memset(w.cut, 0, room)
+        status = window(lens, seq_len, rows, total, ordered, &w, &size)
+        if status == 0:
+            status = by_key(w.row, size, rows, w.perm)  # by row, stable (split rows too)
+        if status == 0:
+            for i in range(size):
+                row_ptr[w.row[i] + 1] += 1
+            for i in range(rows):
+                row_ptr[i + 1] += row_ptr[i]
+            for i in range(size):
+                j = w.perm[i]
+                it = w.item[j]
+                seg_start[i] = first[w.pdoc[it]] + w.poff[it] + w.off[j]
+                seg_len[i] = w.seg_len[j]
+                seg_doc[i] = ids[w.pdoc[it]]
+            for i in range(total):
+                num_cut += w.cut[i]
+    if status == -1:
+        raise MemoryError("packing a window: out of memory")
+    if status != 0:
+        return None
+    return out_ptr, out_start[:size], out_len[:size], out_doc[:size], int(num_cut)
+
+
+def work_size(lengths, int64_t seq_len, Py_ssize_t rows) -> int:
+    """Entries of the int64 ``work`` array ``pack_window`` takes for this window."""
+    cdef const int64_t[::1] lens = np.ascontiguousarray(lengths, dtype=np.int64)
+    return WORK_ARRAYS * (max(0, count_pieces(lens, seq_len)) + max(0, rows) + 1)

@@ -1,10 +1,12 @@
 """The compiled paths (``fastfill``, ``fastpack``: built at install) behind a check of what they
 are given.
 
-Packed rows and document masks are written by ``fastfill`` in one pass when it is built and the
-arrays fit it (C-contiguous rows of the batch dtypes, a store dtype it reads); a window's pieces
-are placed by ``fastpack``'s best fit. Otherwise the callers take the numpy / Python paths, which
-give the same bytes. ``TOKENMILL_FASTFILL=0`` turns both off (to compare, or to rule them out)::
+A window of documents is packed (pieces, best fit decreasing, rows split to the allotment) by
+``fastpack.pack_window`` in one pass with the GIL released, so a window packed ahead in a thread
+leaves the training loop's thread alone. Packed rows and document masks are written by
+``fastfill`` in one pass when it is built and the arrays fit it (C-contiguous rows of the batch
+dtypes, a store dtype it reads). Otherwise the callers take the numpy / Python paths, which give
+the same bytes. ``TOKENMILL_FASTFILL=0`` turns both off (to compare, or to rule them out)::
 
     if not fastpath.packed_rows(layout, ids, dest, out, bounds, shard):
         ...  # the numpy path
@@ -13,6 +15,7 @@ give the same bytes. ``TOKENMILL_FASTFILL=0`` turns both off (to compare, or to 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -24,7 +27,8 @@ try:  # built from fastfill.pyx / fastpack.pyx by the install (optional: no C co
 except ImportError:  # pragma: no cover - depends on the install
     fastfill = fastpack = None
 
-__all__ = ["ENABLED", "best_fit", "metadata_rows", "packed_rows", "status"]
+__all__ = ["ENABLED", "best_fit", "metadata_rows", "open_fit", "pack_window", "packed_rows",
+           "status"]
 
 META = ("segment_ids", "positions", "loss_mask")
 ONE_SHARD = np.zeros(1, np.int64)  # the mapped shards of a one-shard store: shard 0
@@ -49,6 +53,39 @@ def best_fit(lengths: np.ndarray, capacity: int, first_row: int) -> np.ndarray |
     if not ENABLED:
         return None
     return fastpack.best_fit(lengths, capacity, first_row)
+
+
+def open_fit(lengths: np.ndarray, capacity: int) -> np.ndarray | None:
+    """``pack._open_fit``'s rows by the compiled open fit; None when it is off or refuses."""
+    if not ENABLED:
+        return None
+    return fastpack.open_fit(lengths, capacity)
+
+
+def pack_window(lengths: np.ndarray, starts: np.ndarray, docs: np.ndarray, seq_len: int,
+                rows: int, ordered: bool = False) -> tuple | None:
+    """A window's documents packed into exactly ``rows`` rows with no cap, as
+    ``packplan.PackedPlan.pack`` packs them (pieces, best fit decreasing or the open fit in
+    order, rows split to the allotment) in one compiled pass with the GIL released: (row_ptr,
+    seg_start, seg_len, seg_doc, documents cut); None when it is off or the window needs
+    squeezing."""
+    if not ENABLED:
+        return None
+    need = fastpack.work_size(lengths, seq_len, rows)
+    with _LOCK:  # a work array kept from an earlier window: fresh pages cost more than packing
+        work = _SPARE.pop() if _SPARE else None
+    if work is None or len(work) < need:
+        work = np.empty(need, np.int64)
+    try:
+        return fastpack.pack_window(lengths, starts, docs, seq_len, rows, work, ordered)
+    finally:
+        with _LOCK:
+            if len(_SPARE) < 2:  # a window packed ahead and one inline may run at once
+                _SPARE.append(work)
+
+
+_SPARE: list[np.ndarray] = []  # work arrays for pack_window, kept between windows
+_LOCK = threading.Lock()
 
 
 def packed_rows(layout, ids: np.ndarray, dest: slice | np.ndarray, out: Mapping[str, np.ndarray],

@@ -36,7 +36,7 @@ from tokenmill.load.lifetime import Iteration, OneIterator, Pass
 from tokenmill.load.mixture import described_phases
 from tokenmill.load.options import LoaderOptions, loader_prefetch, loader_workers
 from tokenmill.load.pacing import Pacer
-from tokenmill.load.packplan import packing_name
+from tokenmill.load.packing import plans_packing
 from tokenmill.load.plan import BatchPlan, LayoutConfig, fingerprint_of, global_positions, \
     resolve_rank
 from tokenmill.load.provenance import RowOrigin, explain_positions
@@ -423,8 +423,8 @@ class Loader(OneIterator):
                 "seq_len": config.seq_len, "layout": config.layout, "seed": config.seed,
                 "max_segments": config.max_segments, "batch_size": self.batch_size,
                 "world_size": self.world_size, "num_workers": self.num_workers,
-                **({"packing": packing_name(config.max_segments)} if config.layout == "packed"
-                   else {}),
+                **({"packing": plans_packing([s.packed for s in self.plan.sources])}
+                   if config.layout == "packed" else {}),
                 **({"document_masks": True} if config.document_masks else {}),
                 **recorded(self.balance),
                 **(self.lengths.describe() if self.lengths else {})}

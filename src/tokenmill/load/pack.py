@@ -18,6 +18,7 @@ documents, as a window, a streaming pass or ``inspect`` needs.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -311,15 +312,54 @@ def _check_max_segments(max_segments) -> int | None:
     return None if max_segments is None else int(max_segments)
 
 
-def place(length: np.ndarray, capacity: int, max_segments: int | None = None
-          ) -> tuple[np.ndarray, np.ndarray]:
+OPEN_ROWS = 32  # rows open at once in ``_open_fit``: a row's items come from ~this many rows'
+# worth of neighbouring items (0.06 points more padding than best-fit decreasing on short
+# paragraphs at 16, none at 64)
+
+
+def _open_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """Row of each item (lengths >= 1, in their own order) by best fit among the OPEN_ROWS rows
+    opened last: the one with the least room that fits (ties: the lowest row), else a new row
+    (the oldest open one then closes). A row holds items that are near each other in the input.
+
+    _open_fit(np.array([3, 4, 2, 1]), 5).tolist() == [0, 1, 0, 1]
+    """
+    if (fast := fastpath.open_fit(lengths, capacity)) is not None:
+        return fast  # compiled: the same rows
+    rows = np.empty(len(lengths), np.int64)
+    rooms: list[tuple[int, int]] = []  # (room, row) of the open rows, sorted
+    room_of: dict[int, int] = {}
+    oldest = made = 0
+    for i, x in enumerate(lengths.tolist()):
+        at = bisect.bisect_left(rooms, (x, -1))  # the least room >= x, then the lowest row
+        if at < len(rooms):
+            room, row = rooms.pop(at)
+        else:
+            room, row = capacity, made
+            made += 1
+            if made - oldest > OPEN_ROWS:  # the oldest open row closes
+                del rooms[bisect.bisect_left(rooms, (room_of.pop(oldest), oldest))]
+                oldest += 1
+        room_of[row] = room - x
+        bisect.insort(rooms, (room - x, row))
+        rows[i] = row
+    return rows
+
+
+def place(length: np.ndarray, capacity: int, max_segments: int | None = None,
+          ordered: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Items of ``length`` (each <= capacity) placed into rows: (the items in row order, the
-    number of items of each row), by best-fit decreasing, or ``_fair_fill`` under a cap.
+    number of items of each row), by best-fit decreasing, ``_open_fit`` in the items' order
+    (``ordered``: rows of nearby items), or ``_fair_fill`` under a cap.
 
     [a.tolist() for a in place(np.array([3, 2, 4]), 5)] == [[2, 0, 1], [1, 2]]
     """
     if max_segments is not None:
         order, rows = _fair_fill(length, capacity, max_segments)  # already in row order
+    elif ordered:
+        rows = _open_fit(length, capacity)
+        order = stable_order(rows)
+        rows = rows[order]
     else:
         # decreasing length, ties by (document, piece): items are already in that order, stable
         order = stable_order(capacity - length)  # length <= capacity

@@ -20,16 +20,16 @@ from tokenmill.load import pack
 __all__ = ["fit_rows"]
 
 
-def fit_rows(length: np.ndarray, capacity: int, rows: int, max_segments: int | None = None
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+def fit_rows(length: np.ndarray, capacity: int, rows: int, max_segments: int | None = None,
+             ordered: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """Items of ``length`` (each <= capacity) in exactly ``rows`` rows: (item, offset, length)
     of every segment in row order, the row pointers, and the number of items cut. Packed
-    naturally (``pack.place``); then a surplus of rows splits the rows of most segments, a
+    naturally (``pack.place``, ``ordered`` or not); then a surplus of rows splits the rows of most segments, a
     deficit moves the emptiest rows' items into the others' room, cutting what does not fit.
 
     fit_rows(np.array([3, 2, 4]), 5, 3)[3].tolist() == [0, 1, 2, 3]
     """
-    order, counts = pack.place(length, capacity, max_segments)
+    order, counts = pack.place(length, capacity, max_segments, ordered)
     n = len(counts)
     row = np.repeat(np.arange(n, dtype=np.int64), counts)
     item, off, seg_len = order, np.zeros(len(order), np.int64), length[order].astype(np.int64)

@@ -21,6 +21,12 @@ needs fewer splits its fullest rows. Without a cap, β >= L guarantees that cutt
 ``max_segments`` nothing guarantees it (a row's segment slots may all be taken), so β covers
 the windows of the first block read plus Z_CAPPED standard deviations of their needs, and a
 window still short of rows is an error naming it.
+
+A store of short documents (``ordered_packing``: a row holds 16 or more on average) packs its
+windows in order instead (``pack._open_fit``: best fit among the last rows opened), so that a
+row's documents are neighbours in the store and its fill reads a few pages, not one a document;
+on short paragraphs that is as dense as best-fit decreasing. Its name in the fingerprint
+(``strata-ordered-v1``) says which.
 """
 
 from __future__ import annotations
@@ -33,17 +39,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenmill.load import pack
+from tokenmill.load import fastpath, pack
 from tokenmill.base.arrays import distinct, ranges, stable_order
 from tokenmill.base.errors import ConfigError
 from tokenmill.load.packfit import fit_rows
+from tokenmill.load.packing import ordered_packing, packing_name
 from tokenmill.load.sampler import epoch_permutation, hash_ints
 
-__all__ = ["PACKING", "PACKING_CAPPED", "PackedPlan", "WindowRows", "docs_per_window", "epoch_layout",
-           "packing_name", "window_memory"]
+__all__ = ["PackedPlan", "WindowRows", "docs_per_window", "epoch_layout", "window_memory"]
 
-PACKING = "strata-v1"  # goes into the fingerprint: batches change when this does
-PACKING_CAPPED = "strata-v2"  # under max_segments: β from the first block of windows + 4 σ
 ROWS_PER_WINDOW = 4096  # rows a window aims at: a row of margin a window costs 0.025% padding
 MIN_WINDOW, MAX_WINDOW = 64, 1 << 16  # documents a window
 SAMPLES = 4  # windows of epoch 0 packed to set β
@@ -55,14 +59,6 @@ Z_CAPPED = 4.0  # under max_segments: standard deviations of the sampled windows
 CACHED_WINDOWS = 8
 BLOCK_WINDOWS, BLOCK_DOCS = 8, 1 << 18  # windows whose documents one pass reads: ≤ 6 MB
 _TAG = 0x73747261  # "stra"
-
-
-def packing_name(max_segments: int | None) -> str:
-    """The packing algorithm's name for the fingerprint and resume state.
-
-    packing_name(None) == "strata-v1"
-    """
-    return PACKING if max_segments is None else PACKING_CAPPED
 
 
 def docs_per_window(num_docs: int, num_tokens: int, seq_len: int) -> int:
@@ -115,6 +111,8 @@ class PackedPlan:
             raise ConfigError(f"{store.path}: no documents to pack (documents {d}, tokens {t})")
         self.num_docs, self.num_tokens = d, t
         self.k = docs_per_window(d, t, seq_len)
+        self.ordered = ordered_packing(d, t, seq_len, max_segments)
+        self.packing = packing_name(max_segments, self.ordered)
         self.bounds = np.arange(self.k + 1, dtype=np.int64) * d // self.k  # strata of documents
         self.sizes = np.diff(self.bounds)  # M_i: 1 <= M_i, all within one of each other
         self.windows = int(self.sizes.max())  # W: window w holds stratum i's doc iff M_i > w
@@ -376,13 +374,19 @@ class PackedPlan:
     def pack(self, docs: np.ndarray, starts: np.ndarray, lengths: np.ndarray, rows: int
              ) -> tuple[pack.PackedLayout, int]:
         """Documents (ids, global first tokens, lengths) packed into exactly ``rows`` rows."""
-        doc, off, length = pack.pieces(lengths, self.seq_len)
-        item, seg_off, seg_len, row_ptr, num_cut = fit_rows(length, self.capacity, rows, self.cap)
         truncated, dropped = pack.truncation(lengths, self.seq_len)
+        fast = None if self.cap is not None else \
+            fastpath.pack_window(lengths, starts, docs, self.seq_len, rows, self.ordered)
+        if fast is not None:  # compiled, the GIL released: the same arrays as below
+            row_ptr, seg_start, seg_len, seg_doc, num_cut = fast
+        else:
+            doc, off, length = pack.pieces(lengths, self.seq_len)
+            item, seg_off, seg_len, row_ptr, num_cut = fit_rows(length, self.capacity, rows,
+                                                                self.cap, self.ordered)
+            seg_start, seg_doc = starts[doc[item]] + off[item] + seg_off, docs[doc[item]]
         layout = pack.PackedLayout(
-            seq_len=self.seq_len, row_ptr=row_ptr,
-            seg_start=starts[doc[item]] + off[item] + seg_off, seg_len=seg_len,
-            seg_doc=docs[doc[item]], num_truncated=truncated, num_dropped_tokens=dropped,
+            seq_len=self.seq_len, row_ptr=row_ptr, seg_start=seg_start, seg_len=seg_len,
+            seg_doc=seg_doc, num_truncated=truncated, num_dropped_tokens=dropped,
             max_segments=self.cap)
         return layout, num_cut
 
@@ -411,7 +415,7 @@ class PackedPlan:
         spans (the margin of MARGIN / MARGIN_CAPPED of its rows added)."""
         lengths = np.concatenate([self._raw(0, x)[2] for x in range(w, self._end(w))])
         _, _, length = pack.pieces(lengths, self.seq_len)
-        rows = len(pack.place(length, self.capacity, self.cap)[1])
+        rows = len(pack.place(length, self.capacity, self.cap, self.ordered)[1])
         rows += int(np.ceil(rows * (MARGIN_CAPPED if self.cap else MARGIN)))
         need = rows * self.seq_len - int(lengths.sum())  # floor((T + β·k) / L) >= rows
         return -(-need // (self._end(w) - w))
@@ -446,7 +450,7 @@ class PackedPlan:
         used = self.num_tokens  # pieces of long documents and cuts add a token each: ≤ this
         with self._lock:
             counts = dict(self.counts)
-        return {"rows": self.num_rows, "documents_per_window": self.k,
+        return {"rows": self.num_rows, "packing": self.packing, "documents_per_window": self.k,
                 "windows": self.num_windows(), "beta_rows": self.beta / self.seq_len,
                 "padding_at_most": 1 - used / (self.num_rows * self.capacity), **counts}
 

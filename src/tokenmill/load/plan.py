@@ -34,8 +34,9 @@ from tokenmill.base.arrays import as_rows, by_value, distinct, is_run
 from tokenmill.base.errors import ConfigError, StoreError, check_int
 from tokenmill.base.io import FileId, file_id, redact
 from tokenmill.load.mixture import Mixture, mixture_of
-from tokenmill.load.packplan import PackedPlan, packing_name
-from tokenmill.load.rows import RowFiller, as_slice, one_piece_starts
+from tokenmill.load.packing import plans_packing
+from tokenmill.load.packplan import PackedPlan
+from tokenmill.load.rows import RowFiller, as_slice
 from tokenmill.load.state import MAX_CONSUMED
 from tokenmill.store.format import MANIFEST, read_manifest
 from tokenmill.store.reader import TokenStore
@@ -144,21 +145,17 @@ class SampleSource:
             out[sel] = pack.concat_starts(ids[sel], seq_len=self.config.seq_len, offset=offset)
         return out
 
-    def row_starts(self, addrs: np.ndarray) -> list[int]:
-        """Per address, the global token its row's seq_len + 1 tokens start at when they are one
-        run (every concat window; a packed row that is one piece of one document), else -1."""
-        if self.packed is None:
-            return addrs.tolist()
-        out = np.empty(len(addrs), np.int64)
-        for rows, which, local in self.packed.locate(addrs):
-            out[which] = one_piece_starts(rows.layout, local)
-        return out.tolist()
+    def row_starts(self, addrs: np.ndarray) -> list[int] | None:
+        """Per address, the global token its concat window starts at; None for packed rows
+        (found when filled: a block of addresses would otherwise pack every window it touches
+        at once, on the training loop's thread, before a pack-ahead thread could)."""
+        return addrs.tolist() if self.packed is None else None
 
     def fill(self, addrs: np.ndarray, rows: np.ndarray, out: dict[str, np.ndarray]) -> None:
         """Write the samples at ``addrs`` into rows ``rows`` (ascending) of the batch ``out``."""
         self.fill_at(addrs, self.row_starts(addrs), as_slice(rows), out)
 
-    def fill_at(self, addrs: np.ndarray, starts: list[int], dest: slice | np.ndarray,
+    def fill_at(self, addrs: np.ndarray, starts: list[int] | None, dest: slice | np.ndarray,
                 out: dict[str, np.ndarray]) -> None:
         """``fill`` with the addresses' ``row_starts`` known, into batch rows ``dest``."""
         if self.packed is None:
@@ -170,8 +167,7 @@ class SampleSource:
         groups = self.packed.locate(addrs)
         for window, which, local in groups:  # usually one window: no index array made
             mine = dest if len(groups) == 1 else as_slice(as_rows(dest)[which])
-            part = starts if len(groups) == 1 else [starts[i] for i in which.tolist()]
-            if not self.rows.packed(window.layout, local, part, mine, out):  # many segments
+            if not self.rows.packed(window.layout, local, mine, out):  # many segments
                 pack.fill_packed_rows(window.layout, local, self.store.tokens, out,
                                       as_rows(mine), gather=self.rows.gather)
 
@@ -229,7 +225,7 @@ def fingerprint_of(sources: list[SampleSource], mix: Mixture, config: LayoutConf
     if config.document_masks:
         core["document_masks"] = True
     if config.layout == "packed":  # rows packed window by window: not the earlier whole-store rows
-        core["packing"] = packing_name(config.max_segments)
+        core["packing"] = plans_packing([s.packed for s in sources])
     return xxhash.xxh3_64_hexdigest(json.dumps(core, sort_keys=True).encode())
 
 
@@ -430,7 +426,7 @@ class BatchPlan:
             dest = self._dest.get(n)
             if dest is None:
                 dest = self._dest[n] = slice(0, n)
-            self.sources[0].fill_at(addr[lo:lo + n], starts[lo:lo + n], dest, out)
+            self.sources[0].fill_at(addr[lo:lo + n], starts and starts[lo:lo + n], dest, out)
             return
         self.fill_resolved(self.resolve(positions), out)
 

@@ -133,16 +133,16 @@ class RowFiller:
         out["inputs"][dest] = buf[:, :-1]
         out["targets"][dest] = buf[:, 1:]
 
-    def packed(self, layout, addrs: np.ndarray, starts: list[int], dest: slice | np.ndarray,
-               out: dict) -> bool:
+    def packed(self, layout, addrs: np.ndarray, dest: slice | np.ndarray, out: dict) -> bool:
         """Packed rows ``addrs`` of ``layout`` (a ``pack.PackedLayout``) into batch rows ``dest``
-        by slice copies, if the rows that are not one piece of one document (``starts[i]`` -1:
-        ``one_piece_starts``) hold at most SLICE_SEGMENTS segments (else False: nothing
+        by slice copies, if the rows that are not one piece of one document
+        (``one_piece_starts``) hold at most SLICE_SEGMENTS segments (else False: nothing
         written); the same bytes as ``pack.fill_packed_rows``: padding 0, segment ids from 1,
         positions from 0 in each segment, loss_mask 0 on a segment's last token and on padding.
         The compiled filler (``fastpath``), when built, takes any number of segments."""
         if fastpath.packed_rows(layout, addrs, dest, out, self.bounds, self.store.shard):
             return True
+        starts = one_piece_starts(layout, addrs)
         odd = [i for i, s in enumerate(starts) if s < 0]  # usually none, or one
         ptr = layout.row_ptr
         segs = [(i, int(ptr[a]), int(ptr[a + 1])) for i, a in ((i, int(addrs[i])) for i in odd)]

@@ -3,18 +3,17 @@ local or remote (shards of a remote store are read through the local cache).
 
 Opening reads the manifest (its totals checked against its shards) and checks each shard file's
 size (a ``stat``, no descriptor kept; the file's identity — device, inode, size, mtime — is
-remembered; a remote store: the manifest alone, one GET, and a shard's ``.idx`` is fetched when
-the shard is first read); shards are mapped when first read, and at most ``max_open`` files
-(default a sixteenth of the descriptor limit, 32–1,024) stay mapped, least recently used
-dropped first — a store of 100,000 shards opens in well under a second and holds a bounded
-number of descriptors. Every map (and re-map) first
-proves, by an ``fstat`` of the descriptor it maps, that the file is the one seen at open: a store
-re-prepared underneath a reader fails with a StoreError instead of serving other tokens. When a
-shard is first read, its ``.idx`` is checked against the manifest — dtype, documents, tokens
-(where its last document ends), and the .bin's bytes for that many tokens: a manifest that lies
-about a shard's counts is a StoreError naming the shard — and, unless ``verify="off"``, the xxh3
-of its ``.bin`` and ``.idx`` is computed once per process in a background thread: a mismatch
-fails the next read (and ``check()``) with a StoreError naming the file.
+remembered; a remote store: the manifest alone, one GET, and a shard's ``.idx`` is fetched when the
+shard is first read); shards are mapped when first read, and at most ``max_open`` files (default a
+sixteenth of the descriptor limit, 32–1,024) stay mapped, least recently used dropped first — a
+store of 100,000 shards opens in well under a second and holds a bounded number of descriptors.
+Every map (and re-map) first proves, by an ``fstat`` of the descriptor it maps, that the file is
+the one seen at open: a store re-prepared underneath a reader fails with a StoreError instead of
+serving other tokens. When a shard is first read, its ``.idx`` is checked against the manifest —
+dtype, documents, tokens (where its last document ends), and the .bin's bytes for that many tokens:
+a manifest that lies about a shard's counts is a StoreError naming the shard — and, unless
+``verify="off"``, the xxh3 of its ``.bin`` and ``.idx`` is computed once per process in a
+background thread: a mismatch fails the next read (and ``check()``), naming the file.
 """
 
 from __future__ import annotations
@@ -300,8 +299,6 @@ class TokenStore:
         if self._checks.failure is not None:
             raise StoreError(self._checks.failure)
 
-    # ---- the rest of the interface ----------------------------------------------------------
-
     def prefetch(self, shards: Iterable[int] | None = None) -> Future:
         """Download shards (default: all) into the cache in a background thread, in order.
 
@@ -411,9 +408,12 @@ class TokenStore:
         store.doc_spans(np.array([0]))[0].tolist() == [0]
         """
         ids = np.asarray(ids, dtype=np.int64)
-        n = len(self)
-        if ids.size and (ids.min() < 0 or ids.max() > n):
-            raise IndexError(f"document ids must be in [0, {n:,}] (got {ids.min()}..{ids.max()})")
+        n, top = len(self), int(ids.max(initial=-1))
+        if ids.size and (ids.min() < 0 or top > n):
+            raise IndexError(f"document ids must be in [0, {n:,}] (got {ids.min()}..{top})")
+        if len(self.shard_doc_starts) == 2 and top < n:  # one shard: no grouping by shard
+            pointers, lengths = self._entries(0, ids)
+            return pointers // self.dtype.itemsize, lengths
         shard = np.searchsorted(self.shard_doc_starts, ids, side="right") - 1
         starts = np.full(ids.shape, self.num_tokens, np.int64)  # id n: the stream's end
         lengths = np.zeros(ids.shape, np.int64)
@@ -425,12 +425,15 @@ class TokenStore:
         return starts, lengths
 
     def _entries(self, i: int, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(byte offsets, lengths) of shard ``i``'s documents ``local``: from its index if mapped
-        or remote, else read alone (a pass over many shards maps no index: read_idx_entries)."""
+        """(byte offsets, lengths) of shard ``i``'s documents ``local``: from its index if mapped,
+        remote, or a quarter of it is asked for (mapped once, not read whole at every call), else
+        read alone (a pass over many shards maps no index: read_idx_entries)."""
         x = self._idx[i]
-        if x is not None or self._remote is not None:
-            x = x if x is not None else self._index(i)
-            return x.pointers[local].astype(np.int64), x.lengths[local].astype(np.int64)
+        if x is None and (self._remote is not None or
+                          4 * len(local) >= self.manifest["shards"][i]["num_documents"]):
+            x = self._index(i)
+        if x is not None:
+            return x.pointers[local], x.lengths[local].astype(np.int64)  # pointers: <i8
         name = f"{self._base}/{self.manifest['shards'][i]['name']}.idx"
         got = read_idx_entries(name, local, check=self._same_file(i, ".idx"))
         self._check_counts(i, got.dtype, got.num_documents, got.num_tokens)

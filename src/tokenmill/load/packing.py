@@ -1,0 +1,45 @@
+"""Which packing a store's packed plan uses, by the name its fingerprint and resume state carry.
+
+A name changes whenever the rows a step holds would: a state saved under one packing is refused
+by a plan of another (``resume``), never read as a different stream under the same name. A store
+of short documents (``ordered_packing``) packs its windows in order (``pack._open_fit``): a row's
+documents are neighbours in the store, so filling it reads a few pages instead of one a document.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ORDERED_SHORTER", "PACKING", "PACKING_CAPPED", "PACKING_ORDERED", "ordered_packing",
+           "packing_name", "plans_packing"]
+
+PACKING = "strata-v1"  # goes into the fingerprint: batches change when this does
+PACKING_CAPPED = "strata-v2"  # under max_segments: β from the first block of windows + 4 σ
+PACKING_ORDERED = "strata-ordered-v1"  # short documents: rows of neighbours (``ordered_packing``)
+ORDERED_SHORTER = 16  # documents a row holds on average, at least, for ordered packing
+
+
+def packing_name(max_segments: int | None, ordered: bool = False) -> str:
+    """The packing algorithm's name for the fingerprint and resume state.
+
+    packing_name(None) == "strata-v1"
+    """
+    if max_segments is not None:
+        return PACKING_CAPPED
+    return PACKING_ORDERED if ordered else PACKING
+
+
+def ordered_packing(num_docs: int, num_tokens: int, seq_len: int, max_segments: int | None
+                    ) -> bool:
+    """Whether a store's windows are packed in order (``pack._open_fit``) rather than by
+    best-fit decreasing: no cap, and a row holds ORDERED_SHORTER documents or more on average.
+    Rows of documents that lie near each other in the store are read from a few pages, not one
+    page a document: on short paragraphs a packed batch's fill costs a third less.
+
+    ordered_packing(225_000, 11_000_000, 2048, None) is True
+    """
+    return max_segments is None and num_tokens * ORDERED_SHORTER <= num_docs * (seq_len + 1)
+
+
+def plans_packing(plans: list) -> str:
+    """The packing name of a mixture's plans: the one name, or each store's joined by '+'."""
+    names = [p.packing for p in plans]
+    return names[0] if len(set(names)) == 1 else "+".join(names)
