@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenmill.load import fastpath, pack
-from tokenmill.base.arrays import distinct, ranges, stable_order
+from tokenmill.base.arrays import distinct, is_run, ranges, stable_order
 from tokenmill.base.errors import ConfigError
 from tokenmill.load.packfit import fit_rows
 from tokenmill.load.packing import ordered_packing, packing_name
@@ -427,8 +427,11 @@ class PackedPlan:
         into ``draws`` it serves, their row ids in its layout)."""
         draws = np.asarray(draws, np.int64)
         last = self._last  # the window of the previous call: a batch usually stays in it
-        if last is not None and draws.size and last[0] <= draws.min() and draws.max() < last[1]:
-            return [(last[2], np.arange(len(draws)), last[2].order[draws - last[0]])]
+        if last is not None and draws.size:
+            lo, hi = (int(draws[0]), int(draws[-1])) if is_run(draws) else \
+                (int(draws.min()), int(draws.max()))  # a run (a rank's batch): no reductions
+            if last[0] <= lo and hi < last[1]:
+                return [(last[2], np.arange(len(draws)), last[2].order[draws - last[0]])]
         epochs, j = np.divmod(draws, self.num_rows)
         out = []
         for e in distinct(epochs):
