@@ -214,3 +214,20 @@ def test_a_store_of_a_few_rows_an_epoch_packs_a_few_epochs_for_its_first_batch(t
         packed = ld.plan.sources[0].packed.stats()["windows_packed"]
     assert packed <= 8, packed
     assert batch["inputs"].shape == (8, 2048)
+
+
+def test_inspect_names_the_packing_its_padding_is_measured_by(tmp_path, capsys):
+    # a store of short documents packs in order (strata-ordered-v1), under a cap by strata-v2:
+    # inspect's padding is the Loader's for that packing, and says which (text and JSON)
+    import json
+
+    from tokenmill.cli import main
+    write_positional_store(tmp_path / "s", np.random.default_rng(2).integers(1, 40, 5000))
+    for cap, name in ((None, "strata-ordered-v1"), (4, "strata-v2")):
+        args = ["inspect", str(tmp_path / "s"), "--seq-len", "1024"] + \
+            ([] if cap is None else ["--max-segments", str(cap)])
+        assert main(args) == 0
+        assert f"seq_len 1024{'' if cap is None else ', max_segments 4'} ({name}):" in \
+            capsys.readouterr().out.splitlines()[-1]
+        assert main(args + ["--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["packing"]["packing"] == name
