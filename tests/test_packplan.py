@@ -173,6 +173,19 @@ def test_a_state_of_the_earlier_whole_store_packing_is_refused_saying_why(tmp_pa
         ld.load_state_dict(state)  # its own state loads
 
 
+def test_a_state_packed_by_best_fit_on_a_store_now_packed_in_order_is_refused_saying_why(tmp_path):
+    # the tokenmill before strata-ordered-v1 saved "strata-v1" for this store of short documents:
+    # refused, and the message says what changed (not another allotment of rows to windows)
+    write_positional_store(tmp_path / "s", np.random.default_rng(3).integers(1, 40, 5000))
+    with Loader(tmp_path / "s", seq_len=1024, batch_size=4, layout="packed") as ld:
+        state = ld.state_dict()
+        assert state["stream"]["packing"] == "strata-ordered-v1"
+        old = {**state, "stream": {**state["stream"], "packing": "strata-v1"}}
+        with pytest.raises(ConfigError, match="packing strata-v1 → strata-ordered-v1: .*short "
+                                              "documents .* in order"):
+            ld.load_state_dict(old)
+
+
 def test_stats_count_the_windows_packed(tmp_path):
     lengths = lengths_summing_to(200_000, docs=1_000, longest=300, seed=2)
     path = write_positional_store(tmp_path / "s", lengths)
