@@ -383,3 +383,28 @@ def test_a_compiled_build_older_than_the_code_is_left_out_and_said(tmp_path):
     assert out["1"][0].startswith("numpy (the compiled row filler is older than this tokenmill")
     assert "pip install -e ." in out["1"][0]
     assert out["1"][1] == out["0"][1]
+
+
+def test_the_work_kept_between_windows_is_bounded():
+    # a window of book-length documents in rows of 128 tokens is 500,000 pieces: its work array
+    # (84 MiB) is not kept for the process's life; a window of paragraphs' (6 MiB) is, and reused
+    fastpath._SPARE.clear()
+    books = np.full(64, 1_000_000, np.int64)
+    starts = np.cumsum(books) - books
+    rows = len(pieces_of(books, 128))
+    assert fastpath.pack_window(books, starts, np.arange(64), 128, rows) is not None
+    assert sum(a.nbytes for a in fastpath._SPARE) <= 16 << 20
+    paragraphs = np.random.default_rng(0).integers(1, 60, 65_536)
+    starts = np.cumsum(paragraphs) - paragraphs
+    for _ in range(2):
+        got = fastpath.pack_window(paragraphs, starts, np.arange(65_536), 2048, 2000, True)
+        assert got is not None and len(fastpath._SPARE) == 1
+    kept = fastpath._SPARE[0]
+    fastpath.pack_window(paragraphs, starts, np.arange(65_536), 2048, 2000, True)
+    assert len(fastpath._SPARE) == 1 and fastpath._SPARE[0] is kept  # reused: no fresh pages
+
+
+def pieces_of(lengths, seq_len: int):
+    """``pack.pieces``' lengths."""
+    from tokenmill.load.pack import pieces
+    return pieces(lengths, seq_len)[2]
