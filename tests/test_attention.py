@@ -345,9 +345,10 @@ def test_inspect_reports_the_packing_and_its_cap(paragraph_store, capsys):
         layout = epoch_layout(plan, 0)
         cut = sum(plan.window_rows(0, w).num_cut for w in range(plan.num_windows()))
         docs = len(np.unique(layout.seg_doc))
-    assert line == (f"packed       seq_len 512, max_segments 2: {layout.num_rows:,} rows, padding "
-                    f"{100 * layout.padding_fraction:.2f}%, {layout.num_truncated:,} documents "
-                    f"longer than a row, {cut:,} of {docs:,} more cut across rows, at most 2 a row")
+    assert line == (f"packed       seq_len 512, max_segments 2 (strata-v2): {layout.num_rows:,} "
+                    f"rows, padding {100 * layout.padding_fraction:.2f}%, {layout.num_truncated:,} "
+                    f"documents longer than a row, {cut:,} of {docs:,} more cut across rows, at "
+                    "most 2 a row")
     assert main(["inspect", str(paragraph_store), "--json", "--seq-len", "512"]) == 0
     packing = json.loads(capsys.readouterr().out)["packing"]
     assert packing["max_segments"] is None and packing["most_segments"] > 2

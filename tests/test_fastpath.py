@@ -346,3 +346,65 @@ def test_a_packed_batch_over_hundreds_of_shards_holds_a_bounded_number_of_descri
                        timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert int(r.stdout) <= 32 + 16, r.stdout  # between batches: max_open maps and the rest
+
+
+def test_a_compiled_build_older_than_the_code_is_left_out_and_said(tmp_path):
+    # an editable install updated without a rebuild keeps the older .so files: a fastpack
+    # without pack_window / open_fit must not crash the Loader (AttributeError) but take the
+    # numpy path, the same batches, status() saying to rebuild
+    import os
+    import subprocess
+    import sys
+    lengths = np.random.default_rng(4).integers(1, 40, 3000)
+    store = write_token_store(tmp_path / "s", np.arange(int(lengths.sum())) % 1000, lengths)
+    code = ("import importlib.util, sys, types, numpy as np\n"  # the .so, before tokenmill
+            "spec = importlib.util.spec_from_file_location('tokenmill.load.fastpack', "
+            f"{fastpath.fastpack.__file__!r})\n"
+            "new = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(new)\n"
+            "old = types.ModuleType(new.__name__)\n"  # the build before open_fit existed
+            "old.__dict__.update({k: v for k, v in vars(new).items() if k not in "
+            "('open_fit', 'pack_window', 'work_size', 'OPEN_ROWS')})\n"
+            "sys.modules[new.__name__] = old\n"
+            "from tokenmill.load import fastpath\n"
+            "assert fastpath.fastpack is old\n"
+            "from tokenmill import Loader\n"
+            "print(fastpath.status())\n"
+            f"with Loader({str(store)!r}, seq_len=1024, batch_size=4, layout='packed') as ld:\n"
+            "    b = ld.batch_at(8)\n"
+            "    print(int(np.asarray(b['inputs'], np.int64).sum()), "
+            "int(b['segment_ids'].sum()))\n")
+    out = {}
+    for env in ("1", "0"):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "TOKENMILL_FASTFILL": env})
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[env] = r.stdout.splitlines()
+    assert out["1"][0].startswith("numpy (the compiled row filler is older than this tokenmill")
+    assert "pip install -e ." in out["1"][0]
+    assert out["1"][1] == out["0"][1]
+
+
+def test_the_work_kept_between_windows_is_bounded():
+    # a window of book-length documents in rows of 128 tokens is 500,000 pieces: its work array
+    # (84 MiB) is not kept for the process's life; a window of paragraphs' (6 MiB) is, and reused
+    fastpath._SPARE.clear()
+    books = np.full(64, 1_000_000, np.int64)
+    starts = np.cumsum(books) - books
+    rows = len(pieces_of(books, 128))
+    assert fastpath.pack_window(books, starts, np.arange(64), 128, rows) is not None
+    assert sum(a.nbytes for a in fastpath._SPARE) <= 16 << 20
+    paragraphs = np.random.default_rng(0).integers(1, 60, 65_536)
+    starts = np.cumsum(paragraphs) - paragraphs
+    for _ in range(2):
+        got = fastpath.pack_window(paragraphs, starts, np.arange(65_536), 2048, 2000, True)
+        assert got is not None and len(fastpath._SPARE) == 1
+    kept = fastpath._SPARE[0]
+    fastpath.pack_window(paragraphs, starts, np.arange(65_536), 2048, 2000, True)
+    assert len(fastpath._SPARE) == 1 and fastpath._SPARE[0] is kept  # reused: no fresh pages
+
+
+def pieces_of(lengths, seq_len: int):
+    """``pack.pieces``' lengths."""
+    from tokenmill.load.pack import pieces
+    return pieces(lengths, seq_len)[2]

@@ -173,6 +173,19 @@ def test_a_state_of_the_earlier_whole_store_packing_is_refused_saying_why(tmp_pa
         ld.load_state_dict(state)  # its own state loads
 
 
+def test_a_state_packed_by_best_fit_on_a_store_now_packed_in_order_is_refused_saying_why(tmp_path):
+    # the tokenmill before strata-ordered-v1 saved "strata-v1" for this store of short documents:
+    # refused, and the message says what changed (not another allotment of rows to windows)
+    write_positional_store(tmp_path / "s", np.random.default_rng(3).integers(1, 40, 5000))
+    with Loader(tmp_path / "s", seq_len=1024, batch_size=4, layout="packed") as ld:
+        state = ld.state_dict()
+        assert state["stream"]["packing"] == "strata-ordered-v1"
+        old = {**state, "stream": {**state["stream"], "packing": "strata-v1"}}
+        with pytest.raises(ConfigError, match="packing strata-v1 → strata-ordered-v1: .*short "
+                                              "documents .* in order"):
+            ld.load_state_dict(old)
+
+
 def test_stats_count_the_windows_packed(tmp_path):
     lengths = lengths_summing_to(200_000, docs=1_000, longest=300, seed=2)
     path = write_positional_store(tmp_path / "s", lengths)
@@ -214,3 +227,20 @@ def test_a_store_of_a_few_rows_an_epoch_packs_a_few_epochs_for_its_first_batch(t
         packed = ld.plan.sources[0].packed.stats()["windows_packed"]
     assert packed <= 8, packed
     assert batch["inputs"].shape == (8, 2048)
+
+
+def test_inspect_names_the_packing_its_padding_is_measured_by(tmp_path, capsys):
+    # a store of short documents packs in order (strata-ordered-v1), under a cap by strata-v2:
+    # inspect's padding is the Loader's for that packing, and says which (text and JSON)
+    import json
+
+    from tokenmill.cli import main
+    write_positional_store(tmp_path / "s", np.random.default_rng(2).integers(1, 40, 5000))
+    for cap, name in ((None, "strata-ordered-v1"), (4, "strata-v2")):
+        args = ["inspect", str(tmp_path / "s"), "--seq-len", "1024"] + \
+            ([] if cap is None else ["--max-segments", str(cap)])
+        assert main(args) == 0
+        assert f"seq_len 1024{'' if cap is None else ', max_segments 4'} ({name}):" in \
+            capsys.readouterr().out.splitlines()[-1]
+        assert main(args + ["--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["packing"]["packing"] == name

@@ -549,3 +549,24 @@ def test_index_entries_read_in_spans_equal_the_whole_index(tmp_path):
         read_idx_entries(idx, np.arange(2400, 2600, 7))
     with pytest.raises(StoreError, match="offsets and lengths disagree"):
         read_idx_entries(idx, np.arange(0, 5000, 2))  # most of the file: read whole
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_doc_spans_of_a_damaged_index_raise_when_the_index_is_mapped_for_them(tmp_path, shards):
+    # two documents' offsets swapped (the counts intact: the manifest check passes): spans of a
+    # quarter of a shard or more map its index; they must raise naming the file, as the spans
+    # read alone do, never give the swapped starts (nothing else reads the .bin to checksum it)
+    from conftest import write_positional_store
+    from tokenmill.store.format import IDX_HEADER
+    write_positional_store(tmp_path / "s", np.full(3000, 10), shard_tokens=30_000 // shards)
+    idx = tmp_path / "s" / "shard-00000.idx"
+    n = 3000 // shards
+    raw = bytearray(idx.read_bytes())
+    a, b = struct.unpack_from("<qq", raw, IDX_HEADER.size + 4 * n + 8 * 5)
+    struct.pack_into("<qq", raw, IDX_HEADER.size + 4 * n + 8 * 5, b, a)
+    idx.write_bytes(bytes(raw))
+    with TokenStore(tmp_path / "s") as store:
+        for ids in (np.arange(0, 100), np.arange(0, n), np.arange(0, n)):  # alone; mapped; again
+            with pytest.raises(StoreError, match=r"shard-00000\.idx: documents .* offsets and "
+                                                 r"lengths disagree"):
+                store.doc_spans(ids)

@@ -35,14 +35,24 @@ ONE_SHARD = np.zeros(1, np.int64)  # the mapped shards of a one-shard store: sha
 # shards a call holds mapped at once (each map holds a descriptor, a remote one pins its cached
 # file): a batch of short documents reads hundreds of shards, filled a group at a time
 GROUP = 16
+# what this version calls: a build from older .pyx files (an editable install updated without a
+# rebuild) lacks some, and is left out rather than failing a Loader with an AttributeError
+CALLS = {fastfill: ("shards_of", "fill_packed", "fill_metadata_rows"),
+         fastpack: ("best_fit", "open_fit", "pack_window", "work_size")}
+STALE = [] if fastfill is None else \
+    [f"{m.__name__.rsplit('.', 1)[-1]}.{f}" for m, fs in CALLS.items() for f in fs
+     if not hasattr(m, f)]
 # read once: a switch to compare the two paths, or to rule the compiled one out
-ENABLED = fastfill is not None and os.environ.get("TOKENMILL_FASTFILL", "1") != "0"
+ENABLED = fastfill is not None and not STALE and os.environ.get("TOKENMILL_FASTFILL", "1") != "0"
 
 
 def status() -> str:
     """One line for diagnostics: which row filler this install uses, and why."""
     if fastfill is None:
         return "numpy (the compiled row filler was not built: no C compiler at install?)"
+    if STALE:
+        return ("numpy (the compiled row filler is older than this tokenmill: no "
+                f"{', '.join(STALE)}; rebuild it: pip install -e . in the source tree)")
     if not ENABLED:
         return "numpy (TOKENMILL_FASTFILL=0)"
     return "compiled (tokenmill.load.fastfill, fastpack)"
@@ -80,11 +90,13 @@ def pack_window(lengths: np.ndarray, starts: np.ndarray, docs: np.ndarray, seq_l
         return fastpack.pack_window(lengths, starts, docs, seq_len, rows, work, ordered)
     finally:
         with _LOCK:
-            if len(_SPARE) < 2:  # a window packed ahead and one inline may run at once
+            if len(_SPARE) < 2 and work.nbytes <= KEEP_WORK:  # one packed ahead, one inline
                 _SPARE.append(work)
 
 
 _SPARE: list[np.ndarray] = []  # work arrays for pack_window, kept between windows
+KEEP_WORK = 1 << 24  # bytes of one kept: a window of 65,536 paragraphs takes 6 MiB; one of books
+# in short rows (64 documents, 500,000 pieces) 84 MiB, not kept for the life of the process
 _LOCK = threading.Lock()
 
 

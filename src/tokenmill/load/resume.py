@@ -104,8 +104,11 @@ def _schedule(stream: Mapping[str, Any]) -> str:
 
 def _packing_change(was: str, now: str) -> str:
     if was != LEGACY_PACKING:
-        return (f"packing {was} → {now}: the state was saved by a tokenmill that allotted packed "
-                "rows to windows differently, so the same step holds other rows — finish that "
+        how = ("a store of short documents (16 or more a row) packs each window's documents in "
+               "order" if "ordered" in f"{was} {now}" else "packed rows are allotted to windows "
+               "differently")
+        return (f"packing {was} → {now}: the state was saved by a tokenmill that packed rows "
+                f"otherwise ({now}: {how}), so the same step holds other rows — finish that "
                 "run with the tokenmill version that saved it, or start the data stream of a new "
                 "run here (a fresh Loader, no load_state_dict)")
     return ("packing: the state was saved by an earlier tokenmill whose packed layout was one "

@@ -92,7 +92,8 @@ def packing_quality(path: str | os.PathLike, seq_len: int, max_segments: int | N
     rows = sum(p.layout.num_rows for p in parts)
     used = sum(int(p.layout.seg_len.sum()) for p in parts)
     docs = sum(len(np.unique(p.layout.seg_doc)) for p in parts)
-    return {"seq_len": seq_len, "max_segments": max_segments, "rows": plan.num_rows,
+    return {"seq_len": seq_len, "max_segments": max_segments, "packing": plan.packing,
+            "rows": plan.num_rows,
             "padding_fraction": 1 - used / (rows * (seq_len + 1)),
             "num_truncated": sum(p.layout.num_truncated for p in parts),
             "documents_cut": sum(p.num_cut for p in parts), "documents": docs,
@@ -105,10 +106,10 @@ def format_packing(q: dict) -> str:
     cap = "" if q["max_segments"] is None else f", max_segments {q['max_segments']}"
     some = "" if q["windows_measured"] == q["windows"] else \
         f" (measured on {q['windows_measured']} of {q['windows']:,} windows)"
-    return (f"packed       seq_len {q['seq_len']}{cap}: {q['rows']:,} rows, padding "
-            f"{100 * q['padding_fraction']:.2f}%, {q['num_truncated']:,} documents longer than a "
-            f"row, {q['documents_cut']:,} of {q['documents']:,} more cut across rows, at most "
-            f"{q['most_segments']} a row{some}")
+    return (f"packed       seq_len {q['seq_len']}{cap} ({q['packing']}): {q['rows']:,} rows, "
+            f"padding {100 * q['padding_fraction']:.2f}%, {q['num_truncated']:,} documents longer "
+            f"than a row, {q['documents_cut']:,} of {q['documents']:,} more cut across rows, at "
+            f"most {q['most_segments']} a row{some}")
 
 
 def format_description(info: dict) -> str:

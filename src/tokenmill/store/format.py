@@ -210,11 +210,17 @@ def _idx_span(path: Path, fd: int, n: int, dtype: np.dtype, first: int, k: int
         np.int64)  # int64 before scaling: a 2^31-token document's bytes overflow an int32
     more = min(k + 1, n - first)
     ptrs = np.frombuffer(os.pread(fd, 8 * more, IDX_HEADER.size + 4 * n + 8 * first), "<i8")
-    if np.any(np.diff(ptrs) != lengths[:more - 1] * dtype.itemsize) or \
-            (first == 0 and ptrs[0] != 0):
-        raise StoreError(f"{path}: documents {first:,}..{first + k - 1:,}: offsets and lengths "
-                         "disagree; the index is damaged — run 'tokenmill verify'")
+    check_offsets(path, first, lengths, ptrs, dtype.itemsize)
     return lengths, ptrs[:k]
+
+
+def check_offsets(path, first: int, lengths: np.ndarray, ptrs: np.ndarray, itemsize: int) -> None:
+    """Raise StoreError naming ``path`` unless the byte offsets ``ptrs`` of documents ``first`` …
+    (and of the next one, where read) follow their ``lengths`` (and the first starts at 0)."""
+    if np.any(np.diff(ptrs) != lengths[:len(ptrs) - 1].astype(np.int64) * itemsize) or \
+            (first == 0 and len(ptrs) and ptrs[0] != 0):
+        raise StoreError(f"{path}: documents {first:,}..{first + len(lengths) - 1:,}: offsets and "
+                         "lengths disagree; the index is damaged — run 'tokenmill verify'")
 
 
 def _read_idx_header(path: Path, f, check: StatCheck | None) -> tuple[int, int, int]:

@@ -34,8 +34,8 @@ from tokenmill.base.errors import ConfigError, StoreError, check_int
 from tokenmill.base.io import ChecksumWatch, file_id, is_url, map_file, redact
 from tokenmill.base.procs import default_max_open
 from tokenmill.store.cache import CacheFullError, RemoteShards
-from tokenmill.store.format import (MANIFEST, IdxArrays, read_idx, read_idx_entries,
-                                    read_manifest, size_or_raise)
+from tokenmill.store.format import (MANIFEST, IdxArrays, check_offsets, read_idx,
+                                    read_idx_entries, read_manifest, size_or_raise)
 
 MAX_OPEN = default_max_open()  # shard files a store keeps mapped at once
 VERIFY_MODES = ("background", "off")
@@ -127,12 +127,10 @@ class TokenStore:
                                      hint=VERIFY_HINT)
         self._closed = False
 
-    # ---- mapping shards, a bounded number at a time ----------------------------------------
-
-    def _index(self, i: int) -> IdxArrays:
+    def _index(self, i: int, offsets: bool = False) -> IdxArrays:
         x = self._idx[i]
         if x is None:
-            return self._map_idx(i)
+            return self._map_idx(i, offsets)
         try:
             self._maps.move_to_end(-1 - i)
         except KeyError:
@@ -227,13 +225,15 @@ class TokenStore:
                              f"({s['bin_bytes'] / self.dtype.itemsize:,.1f} {self.dtype} tokens), "
                              f"the manifest says {s['num_tokens']:,} tokens; {DISAGREE}")
 
-    def _map_idx(self, i: int) -> IdxArrays:
+    def _map_idx(self, i: int, offsets: bool = False) -> IdxArrays:
         with self._shard_lock(-1 - i):
             if (x := self._idx[i]) is not None:
                 return x
             if self._closed:
                 raise StoreError(f"{self._where}: the store is closed; open it again to read it")
             x = self._read_index(i, in_memory=self._remote is not None)
+            if offsets:  # before it is kept: a damaged index raises at every call, as unmapped
+                check_offsets(self._file(i, ".idx"), 0, x.lengths, x.pointers, x.dtype.itemsize)
             self._keep(-1 - i, x)
             return x
 
@@ -431,7 +431,7 @@ class TokenStore:
         x = self._idx[i]
         if x is None and (self._remote is not None or
                           4 * len(local) >= self.manifest["shards"][i]["num_documents"]):
-            x = self._index(i)
+            x = self._index(i, offsets=True)  # checked as read_idx_entries checks its reads
         if x is not None:
             return x.pointers[local], x.lengths[local].astype(np.int64)  # pointers: <i8
         name = f"{self._base}/{self.manifest['shards'][i]['name']}.idx"
