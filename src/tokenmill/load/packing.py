@@ -29,8 +29,10 @@ def packing_name(max_segments: int | None, ordered: bool = False) -> str:
 
 def ordered_packing(num_docs: int, num_tokens: int, seq_len: int, max_segments: int | None
                     ) -> bool:
-    """Whether a store's windows are packed in order (``pack._open_fit``) rather than by
-    best-fit decreasing: no cap, and a row holds ORDERED_SHORTER documents or more on average.
+    """Whether a store's windows may be packed in order (``pack._open_fit``) rather than by
+    best-fit decreasing: no cap, and a row holds ORDERED_SHORTER documents or more on average
+    (the plan then packs its sample windows both ways and keeps the order only if it is as
+    dense: ``PackedPlan._order_fits``).
     Rows of documents that lie near each other in the store are read from a few pages, not one
     page a document: on short paragraphs a packed batch's fill costs a third less.
 

@@ -22,11 +22,8 @@ needs fewer splits its fullest rows. Without a cap, β >= L guarantees that cutt
 the windows of the first block read plus Z_CAPPED standard deviations of their needs, and a
 window still short of rows is an error naming it.
 
-A store of short documents (``ordered_packing``: a row holds 16 or more on average) packs its
-windows in order instead (``pack._open_fit``: best fit among the last rows opened), so that a
-row's documents are neighbours in the store and its fill reads a few pages, not one a document;
-on short paragraphs that is as dense as best-fit decreasing. Its name in the fingerprint
-(``strata-ordered-v1``) says which.
+A store of short documents whose sample windows pack as densely in order packs every window in
+order (``packing.ordered_packing``, ``strata-ordered-v1``): a row's documents are neighbours.
 """
 
 from __future__ import annotations
@@ -53,6 +50,7 @@ MIN_WINDOW, MAX_WINDOW = 64, 1 << 16  # documents a window
 SAMPLES = 4  # windows of epoch 0 packed to set β
 MARGIN = 0.0  # β: rows above the largest of the samples' needs, per row they needed
 MARGIN_CAPPED = 0.005  # under max_segments a window short of rows may not be mendable by cuts
+ORDERED_SLACK = 0.001  # rows packing in order may take beyond best-fit decreasing's (samples)
 Z_CAPPED = 4.0  # under max_segments: standard deviations of the sampled windows' needs added to
 # β (a window's need is a sum over thousands of documents, near normal: 4 σ leaves ~3e-5 of
 # windows short of the β their sample implies)
@@ -111,8 +109,6 @@ class PackedPlan:
             raise ConfigError(f"{store.path}: no documents to pack (documents {d}, tokens {t})")
         self.num_docs, self.num_tokens = d, t
         self.k = docs_per_window(d, t, seq_len)
-        self.ordered = ordered_packing(d, t, seq_len, max_segments)
-        self.packing = packing_name(max_segments, self.ordered)
         self.bounds = np.arange(self.k + 1, dtype=np.int64) * d // self.k  # strata of documents
         self.sizes = np.diff(self.bounds)  # M_i: 1 <= M_i, all within one of each other
         self.windows = int(self.sizes.max())  # W: window w holds stratum i's doc iff M_i > w
@@ -130,6 +126,8 @@ class PackedPlan:
         self._ahead_busy = False
         self.counts = {"windows_packed": 0, "documents_packed": 0, "documents_cut": 0,
                        "num_truncated": 0, "most_segments": 0}
+        self.ordered = ordered_packing(d, t, seq_len, max_segments) and self._order_fits()
+        self.packing = packing_name(max_segments, self.ordered)
         self.beta = self.calibrate()
         self.num_rows = self.allotted(0, self.windows, self.num_tokens)
 
@@ -410,14 +408,24 @@ class PackedPlan:
         n = self.num_windows()
         return list(range(min(n, SAMPLES if self.cap is None else max(SAMPLES, self.block))))
 
+    def _natural_rows(self, w: int, ordered: bool) -> tuple[int, int]:
+        """(rows window w of epoch 0 packs into naturally, its tokens)."""
+        lengths = np.concatenate([self._raw(0, x)[2] for x in range(w, self._end(w))])
+        _, _, length = pack.pieces(lengths, self.seq_len)
+        return len(pack.place(length, self.capacity, self.cap, ordered)[1]), int(lengths.sum())
+
+    def _order_fits(self) -> bool:
+        """Whether packing in order fills the sample windows within ORDERED_SLACK of best-fit
+        decreasing (lengths in runs, or long documents among tiny ones, leave gaps: it does not)."""
+        rows = [sum(self._natural_rows(w, o)[0] for w in self._samples()) for o in (True, False)]
+        return rows[0] <= rows[1] * (1 + ORDERED_SLACK)
+
     def _beta_needed(self, w: int) -> int:
         """Tokens of β that window w of epoch 0 needs to pack naturally, per raw window it
         spans (the margin of MARGIN / MARGIN_CAPPED of its rows added)."""
-        lengths = np.concatenate([self._raw(0, x)[2] for x in range(w, self._end(w))])
-        _, _, length = pack.pieces(lengths, self.seq_len)
-        rows = len(pack.place(length, self.capacity, self.cap, self.ordered)[1])
+        rows, tokens = self._natural_rows(w, self.ordered)
         rows += int(np.ceil(rows * (MARGIN_CAPPED if self.cap else MARGIN)))
-        need = rows * self.seq_len - int(lengths.sum())  # floor((T + β·k) / L) >= rows
+        need = rows * self.seq_len - tokens  # floor((T + β·k) / L) >= rows
         return -(-need // (self._end(w) - w))
 
     # -- rows of draws ------------------------------------------------------------------------
