@@ -490,6 +490,10 @@ def pack_window(lengths, starts, docs, int64_t seq_len, Py_ssize_t rows, work=No
         raise MemoryError("packing a window: out of memory")
     if status != 0:
         return None
+    if 2 * size < room:  # long documents: room for a piece per row it never used; a cached
+        # window would hold it all
+        return out_ptr, out_start[:size].copy(), out_len[:size].copy(), out_doc[:size].copy(), \
+            int(num_cut)
     return out_ptr, out_start[:size], out_len[:size], out_doc[:size], int(num_cut)
 
 
