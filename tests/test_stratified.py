@@ -29,9 +29,14 @@ def store(tmp_path_factory):
         4 * L, 1 + rng.lognormal(2.0, 1.0, 900).astype(int)), shard_tokens=2500)
 
 
-def loader(store, *, rank=0, world=1, per=1, stratify=True, seed=3, **more) -> Loader:
+LAYOUTS = {"packed": {"layout": "packed"}, "concat-masks": {"document_masks": True}}
+
+
+def loader(store, *, rank=0, world=1, per=1, stratify=True, seed=3, layout="packed",
+           **more) -> Loader:
     return Loader(store, seq_len=L, batch_size=per, seed=seed, rank=rank, world_size=world,
-                  layout="packed", num_workers=0, balance="attention", stratify=stratify, **more)
+                  num_workers=0, balance="attention", stratify=stratify, **LAYOUTS[layout],
+                  **more)
 
 
 def parts(batch: dict) -> list[tuple[int, int]]:
@@ -52,10 +57,13 @@ def rows(batch: dict) -> list[tuple]:
             for i in range(len(batch["inputs"]))]
 
 
-@pytest.mark.parametrize("block", [64, balanced_module.STRATA_ROWS])
-def test_every_row_of_each_epoch_once_by_document_and_token_range(store, block, monkeypatch):
+@pytest.mark.parametrize("layout,block", [("packed", 64), ("packed", balanced_module.STRATA_ROWS),
+                                          ("concat-masks", 64)])
+def test_every_row_of_each_epoch_once_by_document_and_token_range(store, layout, block,
+                                                                   monkeypatch):
     monkeypatch.setattr(balanced_module, "STRATA_ROWS", block)  # 64: blocks, the last joined
-    with loader(store, stratify=False) as plain, loader(store) as strat:
+    with loader(store, stratify=False, layout=layout) as plain, \
+            loader(store, layout=layout) as strat:
         n = plain.samples_per_epoch
         assert n > 3 * 64  # several blocks of 64 rows an epoch
         for epoch in range(2):
@@ -79,8 +87,10 @@ def test_each_global_batch_holds_a_spread_of_the_block_s_costs(store):
         assert len(set(ranks[start:start + 32] * 16 // 4096)) == 16
 
 
-def test_resumes_exactly_at_every_step(store):
-    assert_resumes_exactly(lambda: loader(store, rank=1, world=3, per=2), 10)
+@pytest.mark.parametrize("micro", [1, 2])
+def test_resumes_exactly_at_every_step(store, micro, monkeypatch):
+    monkeypatch.setattr(balanced_module, "STRATA_ROWS", 8)  # 10 steps of 6 rows: 7 blocks
+    assert_resumes_exactly(lambda: loader(store, rank=1, world=3, per=2, microbatches=micro), 10)
 
 
 def test_elastic_resume_2_to_3_to_1_ranks_deals_the_stratified_global_batch(store):
@@ -117,10 +127,12 @@ def test_the_loaders_max_mean_per_step_is_the_benchmark_s(store, monkeypatch):
     ranks = [loader(store, rank=r, world=world, per=per, seed=0) for r in range(world)]
     got = [imbalance([row_costs(*row_segments(b["segment_ids"])).sum() for b in step])
            for step in zip(*(take(ld, steps) for ld in ranks))]
+    stats = ranks[0].stats()["balance"]  # the last step's, from the layout alone
     for ld in ranks:
         ld.close()
     sys.modules.pop("balance", None)
     assert got == want and len(got) == steps
+    assert stats["step"] == steps - 1 and stats["max_mean"] == got[-1]
     assert max(got) > 1.0  # not all trivially balanced: the figure is measured
 
 
