@@ -63,17 +63,24 @@ def test_every_row_of_each_epoch_once_by_document_and_token_range(store, layout,
                                                                    monkeypatch):
     monkeypatch.setattr(balanced_module, "STRATA_ROWS", block)  # 64: blocks, the last joined
     with loader(store, stratify=False, layout=layout) as plain, \
-            loader(store, layout=layout) as strat:
+            loader(store, layout=layout, per=7) as strat:  # a step crosses each epoch end
         n = plain.samples_per_epoch
-        assert n > 3 * 64  # several blocks of 64 rows an epoch
+        assert n > 3 * 64 and n % 7  # several blocks of 64 rows an epoch
+        want = take(plain, 2 * n)
+        got = joined(take(strat, -(-2 * n // 7)))  # the stratified global batches
         for epoch in range(2):
-            want, got = take(plain, n), take(strat, n)
-            digest = [xxhash.xxh3_64_hexdigest(json.dumps(sorted(
-                x for b in batches for x in parts(b))).encode()) for batches in (want, got)]
+            mine = {k: v[epoch * n:(epoch + 1) * n] for k, v in got.items()}
+            digest = [xxhash.xxh3_64_hexdigest(json.dumps(parts(b)).encode()) for b in
+                      (joined(want[epoch * n:(epoch + 1) * n]), mine)]
             assert digest[0] == digest[1], f"epoch {epoch}: (document, token range) differ"
-            assert sorted(x for b in got for x in rows(b)) == \
-                sorted(x for b in want for x in rows(b)), f"epoch {epoch}"
-            assert [rows(b) for b in got] != [rows(b) for b in want]  # reordered, not the same
+            assert sorted(rows(mine)) == sorted(x for b in want[epoch * n:(epoch + 1) * n]
+                                                for x in rows(b)), f"epoch {epoch}"
+            assert rows(mine) != [x for b in want[epoch * n:(epoch + 1) * n] for x in rows(b)]
+
+
+def joined(batches: list[dict]) -> dict:
+    """Batches as one batch of all their rows, in order."""
+    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
 
 
 def test_each_global_batch_holds_a_spread_of_the_block_s_costs(store):

@@ -222,6 +222,7 @@ def stratified_rows(plan: BatchPlan, positions: np.ndarray, model: CostModel
     while at < end:
         s = stratum(plan, at, model)
         upto = min(end, s.first + len(s.rows))
+        assert s.first <= at < upto, (at, s.first, len(s.rows))  # the block holds ``at``
         got.append((s.rows[at - s.first:upto - s.first], s.costs[at - s.first:upto - s.first]))
         at = upto
     return tuple(np.concatenate(x) for x in zip(*got))
