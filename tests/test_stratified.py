@@ -33,10 +33,10 @@ LAYOUTS = {"packed": {"layout": "packed"}, "concat-masks": {"document_masks": Tr
 
 
 def loader(store, *, rank=0, world=1, per=1, stratify=True, seed=3, layout="packed",
-           **more) -> Loader:
+           num_workers=0, **more) -> Loader:
     return Loader(store, seq_len=L, batch_size=per, seed=seed, rank=rank, world_size=world,
-                  num_workers=0, balance="attention", stratify=stratify, **LAYOUTS[layout],
-                  **more)
+                  num_workers=num_workers, balance="attention", stratify=stratify,
+                  **LAYOUTS[layout], **more)
 
 
 def parts(batch: dict) -> list[tuple[int, int]]:
@@ -92,6 +92,15 @@ def test_each_global_batch_holds_a_spread_of_the_block_s_costs(store):
     ranks = np.argsort(np.argsort(costs))[order]
     for start in (0, 1000, 4064):
         assert len(set(ranks[start:start + 32] * 16 // 4096)) == 16
+
+
+@pytest.mark.parametrize("worker_type", ["thread", "process"])
+def test_workers_hand_out_the_same_stratified_batches(store, worker_type):
+    with loader(store, rank=2, world=3, per=4) as ld:
+        want = take(ld, 8)
+    with loader(store, rank=2, world=3, per=4, num_workers=2, worker_type=worker_type) as ld:
+        got = take(ld, 8)
+    assert all(np.array_equal(g[k], w[k]) for g, w in zip(got, want) for k in w)
 
 
 @pytest.mark.parametrize("micro", [1, 2])
