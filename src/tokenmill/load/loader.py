@@ -92,7 +92,7 @@ class Loader(OneIterator):
         self.config = LayoutConfig(seq_len=seq_len if sched is None else sched.chunk_tokens,
                                    layout=layout, seed=seed, max_segments=opts.max_segments,
                                    document_masks=opts.document_masks)
-        self.balance = balance_of(opts.balance, self.config, opts.microbatches, batch_size)
+        self.balance = balance_of(opts, self.config, batch_size, source)
         self.form = batch_form(opts.thd, self.config, batch_size, sched, opts.microbatches)
         self.batch_size = None if sched else check_int("batch_size", batch_size, minimum=1)
         self.rank, self.world_size = resolve_rank(

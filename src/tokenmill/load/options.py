@@ -32,6 +32,7 @@ class LoaderOptions:
     mixture: Sequence | None = None
     balance: Any = None  # "attention" or a balance.CostModel: ranks' rows dealt by cost
     microbatches: int = 1  # balance: a rank's rows in this many cost-balanced runs
+    stratify: bool = False  # balance: global batches of rows stratified by cost (docs/balance.md)
     # [(first step, seq_len), …] at tokens_per_step tokens a step (docs/guide-torch.md)
     seq_len_schedule: Sequence | None = None
     tokens_per_step: int | None = None
@@ -45,6 +46,8 @@ class LoaderOptions:
                                                      optional=True))
         object.__setattr__(self, "microbatches", check_int("microbatches", self.microbatches,
                                                            minimum=1))
+        if not isinstance(self.stratify, (bool, np.bool_)):
+            raise ConfigError(f"stratify must be True or False (got stratify={self.stratify!r})")
         if np.dtype(self.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
             raise ConfigError(f"dtype must be 'int32' or 'int64' (got dtype={self.dtype!r})")
         if self.cache_dir is not None:

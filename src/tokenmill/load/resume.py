@@ -78,6 +78,10 @@ def differences(saved: Mapping[str, Any], now: Mapping[str, Any],
     if micro[0] != micro[1]:  # recorded only when > 1: the order of each rank's rows
         out.append(Difference(f"microbatches {micro[0]} → {micro[1]} (the order of a rank's "
                               "rows; resume with the run's microbatches)", False))
+    strata = saved.get("stratify"), now.get("stratify")
+    if strata[0] != strata[1]:  # recorded only when on: which rows make up each global batch
+        out.append(Difference(f"stratify {strata[0] or 'off'} → {strata[1] or 'off'} (the rows of "
+                              "each global batch; resume with the run's stratify)", False))
     if sched[0] != sched[1]:  # recorded only when on: every step's seq_len and rows
         out.append(Difference(f"seq_len_schedule {_schedule(saved)} → {_schedule(now)} "
                               "(resume with the run's seq_len_schedule and tokens_per_step)",
