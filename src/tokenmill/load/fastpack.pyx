@@ -9,7 +9,7 @@ a window packed ahead in a thread no longer stalls the training loop's thread.
 """
 
 from libc.stdint cimport int64_t, uint8_t, uint64_t
-from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.stdlib cimport calloc, free, malloc, qsort, realloc
 from libc.string cimport memset
 
 import numpy as np
@@ -91,11 +91,12 @@ cdef int fit(const int64_t* lengths, Py_ssize_t n, int64_t capacity, int64_t fir
              int64_t* rows) noexcept nogil:
     """``rows`` of the ``n`` items; -1 when out of memory, -2 for a length outside [1, capacity]."""
     cdef Py_ssize_t i = 0, end, j, words = (capacity >> 6) + 1
-    cdef Heap* heaps = <Heap*>calloc(capacity + 1, sizeof(Heap))
+    cdef Heap* heaps = <Heap*>calloc(capacity + 1, sizeof(Heap))  # pages touched when used
     cdef uint64_t* bits = <uint64_t*>calloc(words, sizeof(uint64_t))
-    cdef int64_t length, room, row, k, next_row = first_row
+    cdef int64_t* used = <int64_t*>malloc((n + 1) * sizeof(int64_t))  # rooms given a heap
+    cdef int64_t length, room, row, k, next_row = first_row, n_used = 0
     cdef int status = 0
-    if heaps == NULL or bits == NULL:
+    if heaps == NULL or bits == NULL or used == NULL:
         status = -1
     while status == 0 and i < n:
         length = lengths[i]
@@ -129,14 +130,18 @@ cdef int fit(const int64_t* lengths, Py_ssize_t n, int64_t capacity, int64_t fir
             if room:
                 if heaps[room].size == 0:
                     bits[room >> 6] |= <uint64_t>1 << (room & 63)
+                if heaps[room].cap == 0:
+                    used[n_used] = room
+                    n_used += 1
                 if push(&heaps[room], row) != 0:
                     status = -1
                     break
-    if heaps != NULL:
-        for j in range(capacity + 1):
-            free(heaps[j].rows)
+    if heaps != NULL and used != NULL:
+        for j in range(n_used):  # not every room: a 1M-token row's heaps are 25 MB untouched
+            free(heaps[used[j]].rows)
     free(heaps)
     free(bits)
+    free(used)
     return status
 
 
@@ -278,11 +283,32 @@ cdef int split_rows(int64_t* item, int64_t* off, int64_t* seg_len, int64_t* row,
     return status
 
 
+cdef int by_pair(const void* a, const void* b) noexcept nogil:
+    cdef const int64_t* x = <const int64_t*>a
+    cdef const int64_t* y = <const int64_t*>b
+    if x[0] != y[0]:
+        return -1 if x[0] < y[0] else 1
+    return -1 if x[1] < y[1] else (1 if x[1] > y[1] else 0)
+
+
 cdef int by_key(const int64_t* key, Py_ssize_t n, int64_t buckets, int64_t* out) noexcept nogil:
     """``out``: indices 0 … n-1 in stable order of ``key`` (each in [0, buckets)); -1 when out of
-    memory."""
-    cdef int64_t* count = <int64_t*>calloc(buckets + 1, sizeof(int64_t))
+    memory. A counting sort, or (far more buckets than keys: a 1M-token row's lengths) a sort of
+    (key, index) pairs, so that the buckets' memory never outgrows the keys'."""
+    cdef int64_t* count
     cdef Py_ssize_t i
+    if buckets > 4 * n + 4096:
+        count = <int64_t*>malloc(2 * n * sizeof(int64_t) + 8)
+        if count == NULL:
+            return -1
+        for i in range(n):
+            count[2 * i], count[2 * i + 1] = key[i], i
+        qsort(count, n, 2 * sizeof(int64_t), by_pair)
+        for i in range(n):
+            out[i] = count[2 * i + 1]
+        free(count)
+        return 0
+    count = <int64_t*>calloc(buckets + 1, sizeof(int64_t))
     if count == NULL:
         return -1
     for i in range(n):
