@@ -183,7 +183,8 @@ def python_window(lengths, starts, docs, seq_len: int, rows: int, ordered: bool 
 
 
 @pytest.mark.parametrize("ordered", [False, True])
-@pytest.mark.parametrize("seq_len", [1, 2, 7, 64, 2048])
+@pytest.mark.parametrize("seq_len", [1, 2, 7, 64, 2048, 16384, 1 << 20])  # the last two: a
+# sort of (key, index) pairs, far more lengths than pieces
 def test_a_window_packs_into_the_rows_of_the_python_path(seq_len, ordered):
     # pieces of long documents, empty documents, every natural row count against the allotment:
     # equal rows, rows to split (by segments, then by halving the longest), and too few rows
