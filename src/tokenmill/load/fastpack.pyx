@@ -456,7 +456,7 @@ cdef int grouped(Work* w, Py_ssize_t total, Py_ssize_t rows, Py_ssize_t* size_ou
     return 0
 
 
-WORK_ARRAYS = 11  # int64 arrays a window's work takes, each of its pieces + rows + 1 entries
+WORK_ARRAYS = 14  # int64 arrays a window's work takes, each of its pieces + rows + 1 entries
 
 
 def pack_window(lengths, starts, docs, int64_t seq_len, Py_ssize_t rows, work=None,
@@ -490,10 +490,10 @@ def pack_window(lengths, starts, docs, int64_t seq_len, Py_ssize_t rows, work=No
     w.item, w.off, w.seg_len, w.row = at + 6 * room, at + 7 * room, at + 8 * room, at + 9 * room
     w.cut = <uint8_t*>(at + 10 * room)
     out_ptr = np.zeros(rows + 1, dtype=np.int64)
-    out_start = np.empty(room, dtype=np.int64)
-    out_len = np.empty(room, dtype=np.int64)
-    out_doc = np.empty(room, dtype=np.int64)
-    cdef int64_t[::1] row_ptr = out_ptr, seg_start = out_start, seg_len = out_len, seg_doc = out_doc
+    cdef int64_t[::1] row_ptr = out_ptr  # the segments are written in the work array, then
+    cdef int64_t[::1] seg_start = buf[11 * room:12 * room]  # copied out at their exact size:
+    cdef int64_t[::1] seg_len = buf[12 * room:13 * room]  # a cached window holds no slack
+    cdef int64_t[::1] seg_doc = buf[13 * room:14 * room]
     with nogil:
         memset(w.cut, 0, room)
         status = window(lens, seq_len, rows, total, ordered, &w, &size)
@@ -516,11 +516,8 @@ def pack_window(lengths, starts, docs, int64_t seq_len, Py_ssize_t rows, work=No
         raise MemoryError("packing a window: out of memory")
     if status != 0:
         return None
-    if 2 * size < room:  # long documents: room for a piece per row it never used; a cached
-        # window would hold it all
-        return out_ptr, out_start[:size].copy(), out_len[:size].copy(), out_doc[:size].copy(), \
-            int(num_cut)
-    return out_ptr, out_start[:size], out_len[:size], out_doc[:size], int(num_cut)
+    return (out_ptr, np.array(seg_start[:size]), np.array(seg_len[:size]),
+            np.array(seg_doc[:size]), int(num_cut))
 
 
 def work_size(lengths, int64_t seq_len, Py_ssize_t rows) -> int:

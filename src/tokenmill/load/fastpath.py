@@ -84,13 +84,13 @@ def pack_window(lengths: np.ndarray, starts: np.ndarray, docs: np.ndarray, seq_l
     need = fastpack.work_size(lengths, seq_len, rows)
     with _LOCK:  # a work array kept from an earlier window: fresh pages cost more than packing
         work = _SPARE.pop() if _SPARE else None
-    if work is None or len(work) < need:
-        work = np.empty(need, np.int64)
+    if work is None or len(work) < need:  # a quarter more: the next windows' needs vary
+        work = np.empty(need + need // 4, np.int64)
     try:
         return fastpack.pack_window(lengths, starts, docs, seq_len, rows, work, ordered)
     finally:
-        with _LOCK:
-            if len(_SPARE) < 2 and work.nbytes <= KEEP_WORK:  # one packed ahead, one inline
+        with _LOCK:  # one kept (two windows packed at once, rare, make a second for a while)
+            if not _SPARE and work.nbytes <= KEEP_WORK:
                 _SPARE.append(work)
 
 
