@@ -30,8 +30,10 @@ $(DEMO_STAMP): pyproject.toml constraints.txt src/tokenmill/load/fastfill.pyx sr
 demo: $(DEMO_STAMP)
 	$(BIN)/tokenmill demo
 
+# two xdist workers (-n 2; worksteal: a worker that runs out takes half of another's queue):
+# 2 cores, and one test process alone leaves one of them idle most of the time
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 soak: $(STAMP)
 	TOKENMILL_FAULTS_SIZE=soak $(BIN)/python -m pytest -q tests/faults

@@ -283,6 +283,28 @@ def ids_of(tok, texts):
     return [x.tolist() for x in tok.encode_batch(texts)]
 
 
+# ---- pytest-xdist: `make test` runs the suite in two worker processes ----------------------
+
+RELAYED_FIGURES: list[str] = []  # the xdist workers whose fault figures reached the controller
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller of an xdist run: a worker's fault figures (tests/faults) join its own."""
+    if relayed := getattr(node, "workeroutput", {}).get("fault_figures"):
+        from faults.conftest import merge
+        merge(relayed)
+        RELAYED_FIGURES.append(node.gateway.id)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Under xdist, the controller prints the fault figures its workers relayed, unless
+    faults/conftest.py is one of its own plugins (run as ``pytest tests/faults``) and does."""
+    from faults import conftest
+    if RELAYED_FIGURES and not terminalreporter.config.pluginmanager.is_registered(conftest):
+        conftest.pytest_terminal_summary(terminalreporter)
+
+
 # ---- a local S3 server (moto) ------------------------------------------------------------
 
 @pytest.fixture(scope="session")

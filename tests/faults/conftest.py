@@ -63,6 +63,7 @@ if SIZE_NAME not in SIZES:
 SIZE = SIZES[SIZE_NAME]
 
 FIGURES: dict[str, dict] = {}
+COUNTERS: set[tuple[str, str]] = set()  # (name, key) of the figures that ``add`` counts
 
 
 def record(name: str, **figures) -> None:
@@ -72,12 +73,13 @@ def record(name: str, **figures) -> None:
 
 def add(name: str, key: str, n: int) -> None:
     """Add ``n`` to a counter figure."""
+    COUNTERS.add((name, key))
     FIGURES.setdefault(name, {})
     FIGURES[name][key] = FIGURES[name].get(key, 0) + n
 
 
 def pytest_terminal_summary(terminalreporter):
-    if not FIGURES:
+    if not FIGURES or hasattr(terminalreporter.config, "workerinput"):  # an xdist worker: relays
         return
     terminalreporter.section(f"tokenmill fault figures (size={SIZE_NAME})")
     for name, figs in FIGURES.items():
@@ -85,6 +87,24 @@ def pytest_terminal_summary(terminalreporter):
     if out := os.environ.get("TOKENMILL_FAULTS_REPORT"):
         Path(out).write_text(json.dumps({"size": SIZE_NAME, "sizes": asdict(SIZE),
                                          "figures": FIGURES}, indent=1, sort_keys=True) + "\n")
+
+
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker hands its figures to the controller (``make test`` runs the suite in
+    two workers), which merges them (``merge``) and prints them: see tests/conftest.py."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["fault_figures"] = {
+            "figures": FIGURES, "counters": sorted(COUNTERS)}
+
+
+def merge(relayed: dict) -> None:
+    """Add a worker's relayed figures to this process's: counters summed, the rest set."""
+    for name, figs in relayed["figures"].items():
+        for key, value in figs.items():
+            if (name, key) in {tuple(c) for c in relayed["counters"]}:
+                add(name, key, value)
+            else:
+                record(name, **{key: value})
 
 
 # ---- leak checks ----------------------------------------------------------------------------
