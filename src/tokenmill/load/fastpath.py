@@ -73,13 +73,14 @@ def open_fit(lengths: np.ndarray, capacity: int) -> np.ndarray | None:
 
 
 def pack_window(lengths: np.ndarray, starts: np.ndarray, docs: np.ndarray, seq_len: int,
-                rows: int, ordered: bool = False) -> tuple | None:
-    """A window's documents packed into exactly ``rows`` rows with no cap, as
-    ``packplan.PackedPlan.pack`` packs them (pieces, best fit decreasing or the open fit in
-    order, rows split to the allotment) in one compiled pass with the GIL released: (row_ptr,
-    seg_start, seg_len, seg_doc, documents cut); None when it is off or the window needs
-    squeezing."""
-    if not ENABLED:
+                rows: int, max_segments: int | None = None, ordered: bool = False
+                ) -> tuple | None:
+    """A window's documents packed into exactly ``rows`` rows, as ``packplan.PackedPlan.pack``
+    packs them (pieces, best fit decreasing or the open fit in order, rows split to the
+    allotment) in one compiled pass with the GIL released: (row_ptr, seg_start, seg_len,
+    seg_doc, documents cut); None when it is off, under a cap (the fair fill is not compiled) or
+    the window needs squeezing."""
+    if not ENABLED or max_segments is not None:
         return None
     need = fastpack.work_size(lengths, seq_len, rows)
     with _LOCK:  # a work array kept from an earlier window: fresh pages cost more than packing

@@ -24,8 +24,9 @@ def fit_rows(length: np.ndarray, capacity: int, rows: int, max_segments: int | N
              ordered: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """Items of ``length`` (each <= capacity) in exactly ``rows`` rows: (item, offset, length)
     of every segment in row order, the row pointers, and the number of items cut. Packed
-    naturally (``pack.place``, ``ordered`` or not); then a surplus of rows splits the rows of most segments, a
-    deficit moves the emptiest rows' items into the others' room, cutting what does not fit.
+    naturally (``pack.place``, ``ordered`` or not); then a surplus of rows splits the rows of
+    most segments, a deficit moves the emptiest rows' items into the others' room, cutting what
+    does not fit.
 
     fit_rows(np.array([3, 2, 4]), 5, 3)[3].tolist() == [0, 1, 2, 3]
     """

@@ -8,13 +8,14 @@ documents are neighbours in the store, so filling it reads a few pages instead o
 
 from __future__ import annotations
 
-__all__ = ["ORDERED_SHORTER", "PACKING", "PACKING_CAPPED", "PACKING_ORDERED", "ordered_packing",
-           "packing_name", "plans_packing"]
+__all__ = ["ORDERED_SHORTER", "ORDERED_SLACK", "PACKING", "PACKING_CAPPED", "PACKING_ORDERED",
+           "ordered_packing", "packing_name", "plans_packing"]
 
 PACKING = "strata-v1"  # goes into the fingerprint: batches change when this does
 PACKING_CAPPED = "strata-v2"  # under max_segments: β from the first block of windows + 4 σ
 PACKING_ORDERED = "strata-ordered-v1"  # short documents: rows of neighbours (``ordered_packing``)
 ORDERED_SHORTER = 16  # documents a row holds on average, at least, for ordered packing
+ORDERED_SLACK = 0.001  # rows packing in order may take beyond best-fit decreasing's (samples)
 
 
 def packing_name(max_segments: int | None, ordered: bool = False) -> str:
@@ -31,10 +32,10 @@ def ordered_packing(num_docs: int, num_tokens: int, seq_len: int, max_segments: 
                     ) -> bool:
     """Whether a store's windows may be packed in order (``pack._open_fit``) rather than by
     best-fit decreasing: no cap, and a row holds ORDERED_SHORTER documents or more on average
-    (the plan then packs its sample windows both ways and keeps the order only if it is as
-    dense: ``PackedPlan._order_fits``).
-    Rows of documents that lie near each other in the store are read from a few pages, not one
-    page a document: on short paragraphs a packed batch's fill costs a third less.
+    (the plan then packs its sample windows both ways and keeps the order only within
+    ORDERED_SLACK of best fit's rows: ``PackedPlan._order_fits``). Rows of documents that lie
+    near each other in the store are read from a few pages, not one page a document: on short
+    paragraphs a packed batch's fill costs a third less.
 
     ordered_packing(225_000, 11_000_000, 2048, None) is True
     """

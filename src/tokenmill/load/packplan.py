@@ -10,20 +10,19 @@ number of rows it is *allotted*, and its rows are shuffled::
 
     epoch rows  [ window 0: G(0)..G(1) | window 1: G(1)..G(2) | … ]     G(w) = ⌊(P_w + β·w) / L⌋
 
-P_w, the tokens of the windows before w, is a sum over the strata of one contiguous range each:
-K index reads, whatever the store's size. So the rows an epoch has (G at the end: from the
-manifest's token count), the window a row falls in (a search over w) and the window's own rows
-(K document lengths, packed) all cost O(K), never O(documents). β (tokens a window) is set once
-per store and config by packing sample windows of epoch 0 (``calibrate``): a window that needs
-more rows than allotted cuts a few documents into the others' free room (counted), one that
-needs fewer splits its fullest rows. Without a cap, β >= L guarantees that cutting always fits
-(``packfit._stream``): every token of every document is in exactly one row each epoch. Under
-``max_segments`` nothing guarantees it (a row's segment slots may all be taken), so β covers
-the windows of the first block read plus Z_CAPPED standard deviations of their needs, and a
-window still short of rows is an error naming it.
-
-A store of short documents whose sample windows pack as densely in order packs every window in
-order (``packing.ordered_packing``, ``strata-ordered-v1``): a row's documents are neighbours.
+P_w, the tokens of the windows before w, is a sum over the strata of one contiguous range each: K
+index reads, whatever the store's size. So the rows an epoch has (G at the end: from the manifest's
+token count), the window a row falls in (a search over w) and the window's own rows (K document
+lengths, packed) all cost O(K), never O(documents). β (tokens a window) is set once per store and
+config by packing sample windows of epoch 0 (``calibrate``): a window that needs more rows than
+allotted cuts a few documents into the others' free room (counted), one that needs fewer splits its
+fullest rows. Without a cap, β >= L guarantees that cutting always fits (``packfit._stream``):
+every token of every document is in exactly one row each epoch. Under ``max_segments`` nothing
+guarantees it (a row's segment slots may all be taken), so β covers the windows of the first block
+read plus Z_CAPPED standard deviations of their needs, and a window still short of rows is an error
+naming it. A store of short documents whose sample windows pack as densely in order packs every
+window in order (``packing.ordered_packing``, ``strata-ordered-v1``): a row's documents are
+neighbours.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from tokenmill.load import fastpath, pack
 from tokenmill.base.arrays import distinct, is_run, ranges, stable_order
 from tokenmill.base.errors import ConfigError
 from tokenmill.load.packfit import fit_rows
-from tokenmill.load.packing import ordered_packing, packing_name
+from tokenmill.load.packing import ORDERED_SLACK, ordered_packing, packing_name
 from tokenmill.load.sampler import epoch_permutation, hash_ints
 
 __all__ = ["PackedPlan", "WindowRows", "docs_per_window", "epoch_layout", "window_memory"]
@@ -50,7 +49,6 @@ MIN_WINDOW, MAX_WINDOW = 64, 1 << 16  # documents a window
 SAMPLES = 4  # windows of epoch 0 packed to set β
 MARGIN = 0.0  # β: rows above the largest of the samples' needs, per row they needed
 MARGIN_CAPPED = 0.005  # under max_segments a window short of rows may not be mendable by cuts
-ORDERED_SLACK = 0.001  # rows packing in order may take beyond best-fit decreasing's (samples)
 Z_CAPPED = 4.0  # under max_segments: standard deviations of the sampled windows' needs added to
 # β (a window's need is a sum over thousands of documents, near normal: 4 σ leaves ~3e-5 of
 # windows short of the β their sample implies)
@@ -119,7 +117,7 @@ class PackedPlan:
         self._blocks: OrderedDict[tuple[int, int], list] = OrderedDict()
         self.block = max(1, min(BLOCK_WINDOWS, BLOCK_DOCS // self.k))  # windows read at once
         self._prefix: dict[tuple[int, int], int] = {}
-        self._probes: dict = {}
+        self._probes, self._natural = {}, {}  # epochs' probes; samples' rows (calibrating)
         self._counted: OrderedDict[int, bytearray] = OrderedDict()  # epoch → window marks
         self._last: tuple | None = None  # (first draw, end draw, WindowRows) of the last window
         self._pending: dict[tuple[int, int], Future] = {}
@@ -373,8 +371,8 @@ class PackedPlan:
              ) -> tuple[pack.PackedLayout, int]:
         """Documents (ids, global first tokens, lengths) packed into exactly ``rows`` rows."""
         truncated, dropped = pack.truncation(lengths, self.seq_len)
-        fast = None if self.cap is not None else \
-            fastpath.pack_window(lengths, starts, docs, self.seq_len, rows, self.ordered)
+        fast = fastpath.pack_window(lengths, starts, docs, self.seq_len, rows, self.cap,
+                                    ordered=self.ordered)
         if fast is not None:  # compiled, the GIL released: the same arrays as below
             row_ptr, seg_start, seg_len, seg_doc, num_cut = fast
         else:
@@ -409,10 +407,13 @@ class PackedPlan:
         return list(range(min(n, SAMPLES if self.cap is None else max(SAMPLES, self.block))))
 
     def _natural_rows(self, w: int, ordered: bool) -> tuple[int, int]:
-        """(rows window w of epoch 0 packs into naturally, its tokens)."""
-        lengths = np.concatenate([self._raw(0, x)[2] for x in range(w, self._end(w))])
-        _, _, length = pack.pieces(lengths, self.seq_len)
-        return len(pack.place(length, self.capacity, self.cap, ordered)[1]), int(lengths.sum())
+        """(rows window w of epoch 0 packs into naturally, its tokens), packed once each way."""
+        if (w, ordered) not in self._natural:
+            lengths = np.concatenate([self._raw(0, x)[2] for x in range(w, self._end(w))])
+            length = pack.pieces(lengths, self.seq_len)[2]
+            rows = len(pack.place(length, self.capacity, self.cap, ordered)[1])
+            self._natural[(w, ordered)] = rows, int(lengths.sum())
+        return self._natural[(w, ordered)]
 
     def _order_fits(self) -> bool:
         """Whether packing in order fills the sample windows within ORDERED_SLACK of best-fit
@@ -435,9 +436,8 @@ class PackedPlan:
         into ``draws`` it serves, their row ids in its layout)."""
         draws = np.asarray(draws, np.int64)
         last = self._last  # the window of the previous call: a batch usually stays in it
-        if last is not None and draws.size:
-            lo, hi = (int(draws[0]), int(draws[-1])) if is_run(draws) else \
-                (int(draws.min()), int(draws.max()))  # a run (a rank's batch): no reductions
+        if last is not None and draws.size:  # a rank's batch, a run: bounded by its ends
+            lo, hi = (draws[0], draws[-1]) if is_run(draws) else (draws.min(), draws.max())
             if last[0] <= lo and hi < last[1]:
                 return [(last[2], np.arange(len(draws)), last[2].order[draws - last[0]])]
         epochs, j = np.divmod(draws, self.num_rows)

@@ -426,7 +426,8 @@ class BatchPlan:
             dest = self._dest.get(n)
             if dest is None:
                 dest = self._dest[n] = slice(0, n)
-            self.sources[0].fill_at(addr[lo:lo + n], starts and starts[lo:lo + n], dest, out)
+            part = None if starts is None else starts[lo:lo + n]  # packed: found when filled
+            self.sources[0].fill_at(addr[lo:lo + n], part, dest, out)
             return
         self.fill_resolved(self.resolve(positions), out)
 
