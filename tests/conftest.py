@@ -392,6 +392,21 @@ def same(got: list[dict], want: list[dict]) -> bool:
         for g, w in zip(got, want))
 
 
+def run_ranks(open_rank, world: int, state: dict | None, steps: int) -> tuple[list, int, dict]:
+    """Every rank r < ``world`` (``open_rank(r)``: a fresh loader), resumed from ``state`` (None:
+    from the start), takes ``steps`` batches: (each rank's batches, the sample they started at,
+    the state after, through JSON as a checkpoint keeps it). For elastic-resume tests."""
+    got = []
+    for r in range(world):
+        with open_rank(r) as ld:
+            if state is not None:
+                ld.load_state_dict(state)
+            start = ld.consumed_samples
+            got.append(take(ld, steps))
+            saved = json.loads(json.dumps(ld.state_dict()))
+    return got, start, saved
+
+
 def assert_resumes_exactly(make, steps: int) -> None:
     """Resume at every step k from a JSON round trip of the state, in a fresh loader from
     ``make()``: the tail equals the uninterrupted run's. Used for every stateful thing."""

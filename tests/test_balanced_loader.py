@@ -2,11 +2,9 @@
 Real Loaders on positional stores, compared with the pure core (``balance.balance_rows`` on the
 costs read from the plan-order global batch's segment_ids): exact equalities, no clocks."""
 
-import json
-
 import numpy as np
 import pytest
-from conftest import assert_resumes_exactly, take, write_positional_store
+from conftest import assert_resumes_exactly, run_ranks, take, write_positional_store
 
 from tokenmill import Loader, Meter
 from tokenmill.load.balance import CostModel, balance_rows, imbalance, rank_costs, row_costs, \
@@ -120,15 +118,9 @@ def test_elastic_resume_2_to_3_to_1_ranks_keeps_every_step_whole(stores):
     source, per_step, state = src(stores), 12, None
     for world, steps in ((2, 4), (3, 5), (1, 3)):
         per = per_step // world
-        got = []
-        for r in range(world):
-            with balanced(source, kw, rank=r, world=world, per=per, num_workers=0) as ld:
-                if state is not None:
-                    ld.load_state_dict(state)
-                start = ld.consumed_samples
-                got.append(take(ld, steps))
-                saved = json.loads(json.dumps(ld.state_dict()))
-        state = saved
+        got, start, state = run_ranks(
+            lambda r: balanced(source, kw, rank=r, world=world, per=per, num_workers=0), world,
+            state, steps)
         ref = reference(source, kw, world=world, per=per, steps=steps, start=start)
         for k, want in enumerate(ref):
             a = dealt(want, world)

@@ -201,7 +201,7 @@ def test_a_window_packs_into_the_rows_of_the_python_path(seq_len, ordered):
         docs = rng.permutation(10 * n + 1)[:n].astype(np.int64)
         natural = len(place(pieces(lengths, seq_len)[2], cap, None, ordered)[1])
         for rows in {natural, natural + 1, natural + int(rng.integers(2, 40)), max(0, natural - 1)}:
-            compiled = fastpath.pack_window(lengths, starts, docs, seq_len, rows, ordered)
+            compiled = fastpath.pack_window(lengths, starts, docs, seq_len, rows, ordered=ordered)
             if rows < natural:
                 assert compiled is None
                 continue
@@ -398,10 +398,10 @@ def test_the_work_kept_between_windows_is_bounded():
     paragraphs = np.random.default_rng(0).integers(1, 60, 65_536)
     starts = np.cumsum(paragraphs) - paragraphs
     for _ in range(2):
-        got = fastpath.pack_window(paragraphs, starts, np.arange(65_536), 2048, 2000, True)
+        got = fastpath.pack_window(paragraphs, starts, np.arange(65_536), 2048, 2000, ordered=True)
         assert got is not None and len(fastpath._SPARE) == 1
     kept = fastpath._SPARE[0]
-    fastpath.pack_window(paragraphs, starts, np.arange(65_536), 2048, 2000, True)
+    fastpath.pack_window(paragraphs, starts, np.arange(65_536), 2048, 2000, ordered=True)
     assert len(fastpath._SPARE) == 1 and fastpath._SPARE[0] is kept  # reused: no fresh pages
 
 

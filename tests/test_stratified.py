@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
-from conftest import assert_resumes_exactly, take, write_positional_store
+from conftest import assert_resumes_exactly, run_ranks, take, write_positional_store
 
 from tokenmill import Loader
 from tokenmill.base.errors import ConfigError
@@ -113,15 +113,8 @@ def test_elastic_resume_2_to_3_to_1_ranks_deals_the_stratified_global_batch(stor
     per_step, state = 12, None
     for world, steps in ((2, 4), (3, 5), (1, 3)):
         per = per_step // world
-        got = []
-        for r in range(world):
-            with loader(store, rank=r, world=world, per=per) as ld:
-                if state is not None:
-                    ld.load_state_dict(state)
-                start = ld.consumed_samples
-                got.append(take(ld, steps))
-                saved = json.loads(json.dumps(ld.state_dict()))
-        state = saved
+        got, start, state = run_ranks(
+            lambda r: loader(store, rank=r, world=world, per=per), world, state, steps)
         with loader(store, per=per_step) as one:  # the stratified global batches, one rank
             one.load_state_dict({**one.state_dict(), "consumed_samples": start})
             ref = take(one, steps)
