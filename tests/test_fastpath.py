@@ -172,14 +172,20 @@ def test_best_fit_places_every_item_in_the_rows_of_the_python_path(capacity):
 
 
 def python_window(lengths, starts, docs, seq_len: int, rows: int, ordered: bool = False):
-    """``PackedPlan.pack``'s arrays by the Python path (the reference and the fallback)."""
+    """``PackedPlan.pack``'s arrays by the Python path (the reference and the fallback), and
+    whether it cut the window as one stream (no room for a dissolved row's segments)."""
+    from tokenmill.load import packfit
     from tokenmill.load.pack import pieces
-    from tokenmill.load.packfit import fit_rows
     doc, off, length = pieces(lengths, seq_len)
+    streamed = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fastpath, "ENABLED", False)
-        item, seg_off, seg_len, row_ptr, cut = fit_rows(length, seq_len + 1, rows, None, ordered)
-    return row_ptr, starts[doc[item]] + off[item] + seg_off, seg_len, docs[doc[item]], cut
+        stream = packfit._stream
+        mp.setattr(packfit, "_stream", lambda *a: streamed.append(1) or stream(*a))
+        item, seg_off, seg_len, row_ptr, cut = packfit.fit_rows(length, seq_len + 1, rows, None,
+                                                                ordered)
+    return (row_ptr, starts[doc[item]] + off[item] + seg_off, seg_len, docs[doc[item]], cut), \
+        bool(streamed)
 
 
 @pytest.mark.parametrize("ordered", [False, True])
@@ -188,11 +194,14 @@ def python_window(lengths, starts, docs, seq_len: int, rows: int, ordered: bool 
 def test_a_window_packs_into_the_rows_of_the_python_path(seq_len, ordered):
     # pieces of long documents, empty documents, every natural row count against the allotment:
     # equal rows, rows to split (by segments, then by halving the longest), and too few rows
-    # (the Python path squeezes: the compiled one declines)
+    # (rows dissolved into the others' room, cut where nothing fits whole; were no room left,
+    # the window would be cut as one stream, which only the Python path does: never seen with
+    # no cap at or above the rows a stream fits, the plan's least)
     from tokenmill.load.pack import pieces, place
     rng = np.random.default_rng(seq_len)
     cap = seq_len + 1
-    for trial in range(120):
+    squeezed = streamed = 0
+    for trial in range(160):
         n = int(rng.integers(0, 200))
         lengths = [rng.integers(0, 3 * cap, n), rng.integers(0, max(2, cap // 10), n),
                    rng.choice([0, 1, 2, cap - 1, cap, cap + 1, 2 * seq_len + 1], n),
@@ -200,15 +209,23 @@ def test_a_window_packs_into_the_rows_of_the_python_path(seq_len, ordered):
         starts = 7 + np.cumsum(lengths) - lengths  # where each document starts
         docs = rng.permutation(10 * n + 1)[:n].astype(np.int64)
         natural = len(place(pieces(lengths, seq_len)[2], cap, None, ordered)[1])
-        for rows in {natural, natural + 1, natural + int(rng.integers(2, 40)), max(0, natural - 1)}:
+        tokens = int(lengths.sum())  # a stream cut always fits in this many rows:
+        least = max(int(tokens > 0), -(-max(0, tokens - 1) // seq_len))
+        fewer = {max(least, x) for x in (natural - 1, natural - int(rng.integers(2, 6)),
+                                         natural * 9 // 10)}
+        for rows in {natural, natural + 1, natural + int(rng.integers(2, 40)), *fewer}:
             compiled = fastpath.pack_window(lengths, starts, docs, seq_len, rows, ordered=ordered)
-            if rows < natural:
+            ref, stream = python_window(lengths, starts, docs, seq_len, rows, ordered)
+            if stream:
+                streamed += 1
                 assert compiled is None
                 continue
-            ref = python_window(lengths, starts, docs, seq_len, rows, ordered)
+            squeezed += rows < natural
             assert compiled is not None and len(compiled[0]) == rows + 1
             for got, want in zip(compiled, ref):
                 assert np.array_equal(got, want), (trial, rows, natural)
+    assert squeezed > 40 if seq_len >= 64 else True  # short rows are full: nothing to squeeze
+
 
 
 @pytest.mark.parametrize("seq_len,packing", [(64, "strata-v1"), (512, "strata-ordered-v1")])

@@ -264,3 +264,31 @@ def test_assign_rejects_negative_positions():
 def test_schedule_period_is_small_for_exact_fractions():
     assert mixture_schedule([1, 1, 2]).period == 4
     assert math.isclose(sum(mixture_schedule([0.1] * 7).weights), 1.0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 4096, 4097, 10**9, 10**15, 1 << 62])
+def test_the_compiled_permutation_gives_the_numpy_values(n, monkeypatch):
+    # the Feistel network compiled (fastpath.permute, the GIL released) against the numpy one,
+    # cycle walks included: the same value for every index
+    from tokenmill.load import fastpath
+    from tokenmill.load.sampler import _permute, _round_keys
+    assert fastpath.ENABLED  # built by the install (tests/test_fastpath.py says why not)
+    keys = _round_keys(5, 3, 11)
+    i = np.unique(np.random.default_rng(n % 1000).integers(0, n, 3000, dtype=np.uint64))
+    compiled = _permute(i, n, keys)
+    monkeypatch.setattr(fastpath, "ENABLED", False)
+    assert compiled.dtype == np.int64 and np.array_equal(compiled, _permute(i, n, keys))
+
+
+def test_hash_ints_of_plain_ints_equals_the_array_path():
+    # plain ints are hashed in Python ints (no array round trips): the same 64-bit value as the
+    # same words given as arrays, for negative and wider-than-64-bit ints too
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        words = [int(w) for w in rng.integers(-2**63, 2**63 - 1, int(rng.integers(1, 7)))]
+        words += [2**70 + 5, -3]
+        got = hash_ints(*words)
+        want = hash_ints(*[np.array([w & (2**64 - 1)], np.uint64) for w in words])
+        assert got.shape == () and got.dtype == np.uint64 and int(got) == int(want[0])
+    with pytest.raises(ConfigError, match="expected an integer"):
+        hash_ints(1, 2.5)

@@ -14,7 +14,7 @@ from libc.string cimport memset
 
 import numpy as np
 
-__all__ = ["OPEN_ROWS", "best_fit", "open_fit", "pack_window", "work_size"]
+__all__ = ["OPEN_ROWS", "best_fit", "open_fit", "pack_window", "permute", "work_size"]
 
 cdef extern from *:
     int __builtin_ctzll(unsigned long long) nogil
@@ -398,8 +398,8 @@ cdef struct Work:
 cdef int window(const int64_t[::1] lengths, int64_t seq_len, Py_ssize_t rows, Py_ssize_t total,
                 bint ordered, Work* w, Py_ssize_t* size_out) noexcept nogil:
     """``packfit.fit_rows(*pack.pieces(lengths, seq_len)[2:], …)`` into ``w``, before the last
-    sort by row; 1 when the window needs more rows than ``rows`` (the Python path squeezes them),
-    -1 when out of memory."""
+    sort by row; 1 when the rows of a window that needs more than ``rows`` find no room for the
+    dissolved rows' segments (the Python path cuts it as a stream), -1 when out of memory."""
     cdef Py_ssize_t i, j, k, p = 0, n_full = 0
     cdef int64_t x, cap = seq_len + 1
     for i in range(lengths.shape[0]):  # pack.pieces: documents, then pieces, in order
@@ -415,7 +415,7 @@ cdef int window(const int64_t[::1] lengths, int64_t seq_len, Py_ssize_t rows, Py
         k = open_fit_rows(w.plen, total, cap, w.placed)
         if k != 0:
             return 2
-        return grouped(w, total, rows, size_out)
+        return grouped(w, total, rows, cap, size_out)
     for i in range(total):  # pack.place: decreasing length, ties by piece (a stable sort)
         w.seg_len[i] = cap - w.plen[i]
     if by_key(w.seg_len, total, cap, w.order) != 0:
@@ -430,20 +430,19 @@ cdef int window(const int64_t[::1] lengths, int64_t seq_len, Py_ssize_t rows, Py
         k = fit(w.seg_len + n_full, total - n_full, cap, n_full, w.placed + n_full)
         if k != 0:
             return -1 if k == -1 else 2
-    return grouped(w, total, rows, size_out)
+    return grouped(w, total, rows, cap, size_out)
 
 
-cdef int grouped(Work* w, Py_ssize_t total, Py_ssize_t rows, Py_ssize_t* size_out
-                 ) noexcept nogil:
+cdef int grouped(Work* w, Py_ssize_t total, Py_ssize_t rows, int64_t capacity,
+                 Py_ssize_t* size_out) noexcept nogil:
     """Pieces ``w.order[i]`` placed in rows ``w.placed[i]`` as segments in row order (each row
-    as placed), its rows split to ``rows`` (``packfit._split``); 1 when it needs more rows."""
+    as placed), then fitted to ``rows``: rows split (``packfit._split``) or dissolved
+    (``packfit._squeeze``); 1 when the dissolved rows' segments find no room."""
     cdef Py_ssize_t i, j
     cdef int64_t n = 0
     for i in range(total):
         if w.placed[i] + 1 > n:
             n = w.placed[i] + 1
-    if n > rows:
-        return 1
     if by_key(w.placed, total, n, w.perm) != 0:  # segments in row order, each row as placed
         return -1
     for i in range(total):
@@ -453,7 +452,98 @@ cdef int grouped(Work* w, Py_ssize_t total, Py_ssize_t rows, Py_ssize_t* size_ou
     size_out[0] = total
     if n < rows:
         return split_rows(w.item, w.off, w.seg_len, w.row, size_out, n, rows, w.cut)
+    if n > rows:
+        return squeeze_rows(w.item, w.off, w.seg_len, w.row, size_out, n, rows, capacity, w.cut)
     return 0
+
+
+cdef Py_ssize_t least_room(const int64_t* room, Py_ssize_t rows, int64_t x) noexcept nogil:
+    """The row of least room >= x (ties: the lowest), or -1 (``packfit._Rooms.best_fit``)."""
+    cdef Py_ssize_t r, best = -1
+    cdef int64_t at = 0
+    for r in range(rows):
+        if room[r] >= x and (best < 0 or room[r] < at):
+            best, at = r, room[r]
+    return best
+
+
+cdef int squeeze_rows(int64_t* item, int64_t* off, int64_t* seg_len, int64_t* row,
+                      Py_ssize_t* size_io, Py_ssize_t n, Py_ssize_t rows, int64_t capacity,
+                      uint8_t* cut) noexcept nogil:
+    """``packfit._squeeze`` with no cap, exactly: the n - rows emptiest rows (ties: the lowest)
+    dissolved; their segments, longest first (ties: in order), each go whole to the kept row of
+    least room that fits (ties: the lowest), else are cut across the kept rows of most room
+    (pieces >= 2 tokens); 1 when no room is left (the Python path cuts the window as a stream),
+    -1 when out of memory. Rooms are scanned: a window has a few thousand rows, and only the
+    dissolved rows' segments are placed."""
+    cdef Py_ssize_t size = size_io[0], j, r, m = 0, o = 0, at, big
+    cdef int64_t x, it, start, g
+    cdef int64_t* fill = <int64_t*>calloc(2 * n + 2, sizeof(int64_t))  # then (fill, row) pairs
+    cdef int64_t* renumber = <int64_t*>malloc((n + 1) * sizeof(int64_t))
+    cdef int64_t* room = <int64_t*>malloc((rows + 1) * sizeof(int64_t))
+    cdef int64_t* moved = <int64_t*>malloc((3 * size + 1) * sizeof(int64_t))
+    cdef int64_t* todo = <int64_t*>malloc((2 * size + 2) * sizeof(int64_t))
+    cdef int status = 0
+    if fill == NULL or renumber == NULL or room == NULL or moved == NULL or todo == NULL:
+        status = -1
+    else:
+        for j in range(size):
+            fill[2 * row[j]] += seg_len[j]
+        for r in range(n):
+            fill[2 * r + 1] = r
+        qsort(fill, n, 2 * sizeof(int64_t), by_pair)  # emptiest first, ties: the lowest row
+        for r in range(n):
+            renumber[r] = 0
+        for r in range(n - rows):
+            renumber[fill[2 * r + 1]] = -1
+        j = 0
+        for r in range(n):
+            if renumber[r] == 0:
+                renumber[r] = j
+                j += 1
+        for j in range(rows + 1):
+            room[j] = capacity
+        for j in range(size):  # kept segments stay in order; the dissolved rows' are set aside
+            if renumber[row[j]] < 0:
+                moved[3 * m], moved[3 * m + 1], moved[3 * m + 2] = seg_len[j], item[j], off[j]
+                todo[2 * m], todo[2 * m + 1] = -seg_len[j], m
+                m += 1
+            else:
+                item[o], off[o], seg_len[o], row[o] = item[j], off[j], seg_len[j], renumber[row[j]]
+                room[row[o]] -= seg_len[o]
+                o += 1
+        qsort(todo, m, 2 * sizeof(int64_t), by_pair)  # longest first, ties in order
+        for j in range(m):
+            at = todo[2 * j + 1]
+            x, it, start = moved[3 * at], moved[3 * at + 1], moved[3 * at + 2]
+            r = least_room(room, rows, x)
+            while r < 0:  # no room takes it whole: fill the largest, go on with the rest
+                big = 0
+                for r in range(1, rows):
+                    if room[r] > room[big]:
+                        big = r
+                if rows == 0 or room[big] < 2:
+                    status = 1
+                    break
+                g = room[big]
+                room[big] = 0
+                item[o], off[o], seg_len[o], row[o] = it, start, g, big
+                o += 1
+                cut[it] = 1
+                start, x = start + g - 1, x - g + 1
+                r = least_room(room, rows, x)
+            if status != 0:
+                break
+            room[r] -= x
+            item[o], off[o], seg_len[o], row[o] = it, start, x, r
+            o += 1
+    size_io[0] = o
+    free(fill)
+    free(renumber)
+    free(room)
+    free(moved)
+    free(todo)
+    return status
 
 
 WORK_ARRAYS = 14  # int64 arrays a window's work takes, each of its pieces + rows + 1 entries
@@ -463,8 +553,9 @@ def pack_window(lengths, starts, docs, int64_t seq_len, Py_ssize_t rows, work=No
                 bint ordered=False):
     """A window's documents (``lengths``, their global first tokens ``starts`` and ids ``docs``)
     in exactly ``rows`` rows of seq_len + 1 tokens, as ``packplan.PackedPlan.pack`` makes them
-    with no cap: (row_ptr, seg_start, seg_len, seg_doc, documents cut); None when the window
-    needs more rows than that (the Python path squeezes it) or a length is negative. ``work``: a
+    with no cap: (row_ptr, seg_start, seg_len, seg_doc, documents cut); None when a window that
+    needs more rows than that leaves no room for its dissolved rows (the Python path cuts it as
+    a stream) or a length is negative. ``work``: a
     1-D int64 array of at least ``work_size`` entries to work in (kept by the caller between
     windows: fresh memory costs a page fault per 4 KiB, most of the time on some machines).
     ``ordered``: pieces placed by ``pack._open_fit`` in their order instead of best fit
@@ -524,3 +615,43 @@ def work_size(lengths, int64_t seq_len, Py_ssize_t rows) -> int:
     """Entries of the int64 ``work`` array ``pack_window`` takes for this window."""
     cdef const int64_t[::1] lens = np.ascontiguousarray(lengths, dtype=np.int64)
     return WORK_ARRAYS * (max(0, count_pieces(lens, seq_len)) + max(0, rows) + 1)
+
+
+# ---- a window's row order: sampler's keyed Feistel network, per element -------------------------
+
+cdef inline uint64_t mix64(uint64_t z) noexcept nogil:
+    """``sampler._mix64``: the splitmix64 finalizer (wrapping)."""
+    z ^= z >> 30
+    z *= 0xBF58476D1CE4E5B9ULL
+    z ^= z >> 27
+    z *= 0x94D049BB133111EBULL
+    z ^= z >> 31
+    return z
+
+
+cdef inline uint64_t feistel(uint64_t x, const uint64_t* keys, Py_ssize_t rounds, int h
+                             ) noexcept nogil:
+    cdef uint64_t mask = (1ULL << h) - 1, left = x >> h, right = x & mask, f
+    cdef Py_ssize_t r
+    for r in range(rounds):
+        f = mix64(right ^ keys[r]) & mask
+        left, right = right, left ^ f
+    return (left << h) | right
+
+
+def permute(const uint64_t[::1] x, uint64_t n, const uint64_t[::1] keys, int h):
+    """``sampler._permute`` with one set of round keys: each value through the Feistel network
+    on 2h bits, walked again until it falls below n (int64)."""
+    out = np.empty(x.shape[0], dtype=np.int64)
+    cdef int64_t[::1] o = out
+    cdef Py_ssize_t i, rounds = keys.shape[0]
+    cdef uint64_t v
+    if h < 1 or h > 31 or n < 1 or rounds < 1:
+        raise ValueError(f"a Feistel network of 2 × {h} bits over range({n})")
+    with nogil:
+        for i in range(x.shape[0]):
+            v = feistel(x[i], &keys[0], rounds, h)
+            while v >= n:
+                v = feistel(v, &keys[0], rounds, h)
+            o[i] = <int64_t>v
+    return out

@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - depends on the install
     fastfill = fastpack = None
 
 __all__ = ["ENABLED", "best_fit", "metadata_rows", "open_fit", "pack_window", "packed_rows",
-           "status"]
+           "permute", "status"]
 
 META = ("segment_ids", "positions", "loss_mask")
 ONE_SHARD = np.zeros(1, np.int64)  # the mapped shards of a one-shard store: shard 0
@@ -38,7 +38,7 @@ GROUP = 16
 # what this version calls: a build from older .pyx files (an editable install updated without a
 # rebuild) lacks some, and is left out rather than failing a Loader with an AttributeError
 CALLS = {fastfill: ("shards_of", "fill_packed", "fill_metadata_rows"),
-         fastpack: ("best_fit", "open_fit", "pack_window", "work_size")}
+         fastpack: ("best_fit", "open_fit", "pack_window", "permute", "work_size")}
 STALE = [] if fastfill is None else \
     [f"{m.__name__.rsplit('.', 1)[-1]}.{f}" for m, fs in CALLS.items() for f in fs
      if not hasattr(m, f)]
@@ -70,6 +70,15 @@ def open_fit(lengths: np.ndarray, capacity: int) -> np.ndarray | None:
     if not ENABLED:
         return None
     return fastpack.open_fit(lengths, capacity)
+
+
+def permute(x: np.ndarray, n: int, keys: np.ndarray, h: int) -> np.ndarray | None:
+    """``sampler._permute`` of uint64 ``x`` under one set of round ``keys``, compiled (the GIL
+    released: a window's row order is made on the pack-ahead thread); None when it is off."""
+    if not ENABLED:
+        return None
+    return fastpack.permute(np.ascontiguousarray(x, np.uint64), n,
+                            np.ascontiguousarray(keys, np.uint64), h)
 
 
 def pack_window(lengths: np.ndarray, starts: np.ndarray, docs: np.ndarray, seq_len: int,

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenmill.load import fastpath, pack
-from tokenmill.base.arrays import distinct, is_run, ranges, stable_order
+from tokenmill.base.arrays import counting, distinct, is_run, ranges, stable_order
 from tokenmill.base.errors import ConfigError
 from tokenmill.load.packfit import fit_rows
 from tokenmill.load.packing import ORDERED_SLACK, ordered_packing, packing_name
@@ -431,15 +431,20 @@ class PackedPlan:
 
     # -- rows of draws ------------------------------------------------------------------------
 
-    def locate(self, draws: np.ndarray) -> list[tuple[WindowRows, np.ndarray, np.ndarray]]:
+    def locate(self, draws: np.ndarray, run: bool = False
+               ) -> list[tuple[WindowRows, np.ndarray, np.ndarray]]:
         """Draws (the store's samples 0, 1, 2, …) → per window touched: (its rows, the indices
-        into ``draws`` it serves, their row ids in its layout)."""
+        into ``draws`` it serves, their row ids in its layout; read-only). ``run``: the caller
+        knows the draws are consecutive."""
         draws = np.asarray(draws, np.int64)
         last = self._last  # the window of the previous call: a batch usually stays in it
         if last is not None and draws.size:  # a rank's batch, a run: bounded by its ends
-            lo, hi = (draws[0], draws[-1]) if is_run(draws) else (draws.min(), draws.max())
+            run = run or is_run(draws)
+            lo, hi = (int(draws[0]), int(draws[-1])) if run else (draws.min(), draws.max())
             if last[0] <= lo and hi < last[1]:
-                return [(last[2], np.arange(len(draws)), last[2].order[draws - last[0]])]
+                order, at = last[2].order, lo - last[0]
+                return [(last[2], counting(0, len(draws)),
+                         order[at:at + len(draws)] if run else order[draws - last[0]])]
         epochs, j = np.divmod(draws, self.num_rows)
         out = []
         for e in distinct(epochs):

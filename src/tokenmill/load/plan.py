@@ -156,15 +156,16 @@ class SampleSource:
         self.fill_at(addrs, self.row_starts(addrs), as_slice(rows), out)
 
     def fill_at(self, addrs: np.ndarray, starts: list[int] | None, dest: slice | np.ndarray,
-                out: dict[str, np.ndarray]) -> None:
-        """``fill`` with the addresses' ``row_starts`` known, into batch rows ``dest``."""
+                out: dict[str, np.ndarray], run: bool = False) -> None:
+        """``fill`` with the addresses' ``row_starts`` known, into batch rows ``dest`` (``run``:
+        the addresses are consecutive draws)."""
         if self.packed is None:
             self.rows.windows(starts, dest, out)
             if self.config.document_masks:
                 pack.fill_window_metadata(self.store, starts, self.config.seq_len, out, dest,
                                           self.config.max_segments)
             return
-        groups = self.packed.locate(addrs)
+        groups = self.packed.locate(addrs, run)
         for window, which, local in groups:  # usually one window: no index array made
             mine = dest if len(groups) == 1 else as_slice(as_rows(dest)[which])
             if not self.rows.packed(window.layout, local, mine, out):  # many segments
@@ -427,7 +428,7 @@ class BatchPlan:
             if dest is None:
                 dest = self._dest[n] = slice(0, n)
             part = None if starts is None else starts[lo:lo + n]  # packed: found when filled
-            self.sources[0].fill_at(addr[lo:lo + n], part, dest, out)
+            self.sources[0].fill_at(addr[lo:lo + n], part, dest, out, run=True)
             return
         self.fill_resolved(self.resolve(positions), out)
 

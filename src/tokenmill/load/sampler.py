@@ -20,6 +20,7 @@ from functools import lru_cache
 import numpy as np
 
 from tokenmill.base.errors import ConfigError, check_int
+from tokenmill.load import fastpath
 
 __all__ = [
     "MAX_SEED",
@@ -48,6 +49,7 @@ _M64 = (1 << 64) - 1
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _C1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64 finalizer constants
 _C2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN_INT, _C1_INT, _C2_INT = int(_GOLDEN), int(_C1), int(_C2)
 _TAG_FEISTEL = 0x7065726D  # "perm": separates key streams from other uses of hash_ints
 
 
@@ -86,6 +88,8 @@ def hash_ints(*values: int | np.ndarray) -> np.ndarray:
 
     int(hash_ints(1, 2)) != int(hash_ints(2, 1)) and hash_ints(7, np.arange(3))[1] == hash_ints(7, 1)
     """
+    if not any(isinstance(v, np.ndarray) for v in values):  # plain ints: no array round trips
+        return np.array(_hash_words(values), dtype=np.uint64)
     words = [_to_u64(v) for v in values]
     h = np.full(np.broadcast_shapes(*(np.shape(w) for w in words)), len(values), dtype=np.uint64)
     tmp = np.empty_like(h)
@@ -94,6 +98,23 @@ def hash_ints(*values: int | np.ndarray) -> np.ndarray:
             h ^= w
             h += _GOLDEN
             _mix64(h, tmp)  # a bijection: distinct words at a step give distinct states
+    return h
+
+
+def _hash_words(values: tuple) -> int:
+    """``hash_ints`` of plain integers, in Python ints (each array step of it costs ~1 µs)."""
+    h = len(values)
+    for v in values:
+        try:
+            w = operator.index(v) & _M64
+        except TypeError:
+            raise ConfigError(f"expected an integer (got {v!r})") from None
+        h = ((h ^ w) + _GOLDEN_INT) & _M64
+        h ^= h >> 30
+        h = (h * _C1_INT) & _M64
+        h ^= h >> 27
+        h = (h * _C2_INT) & _M64
+        h ^= h >> 31
     return h
 
 
@@ -142,6 +163,8 @@ def _permute(i: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
     """The keyed Feistel network with cycle walking (values landing >= n are mapped again until
     they fall in range) on a 1-d uint64 array; keys is (ROUNDS,) or one column per element."""
     h = _half_bits(n)
+    if keys.ndim == 1 and (fast := fastpath.permute(i, n, keys, h)) is not None:
+        return fast  # compiled: the same values
     out = _feistel(i, keys, h)
     todo = np.flatnonzero(out >= np.uint64(n))
     while todo.size:  # the domain is < 4n: on average < 4 passes, over a shrinking subset
