@@ -228,7 +228,7 @@ def test_a_window_packs_into_the_rows_of_the_python_path(seq_len, ordered):
 
 
 
-@pytest.mark.parametrize("seq_len,packing", [(64, "strata-v1"), (512, "strata-ordered-v1")])
+@pytest.mark.parametrize("seq_len,packing", [(64, "strata-v1"), (512, "strata-ordered-v2")])
 def test_a_plan_packs_the_same_windows_either_way(tmp_path, seq_len, packing):
     lens = np.array([1 + i * 7 % 37 + (300 if i % 97 == 0 else 0) for i in range(3000)])
     store = write_token_store(tmp_path / "s", np.arange(int(lens.sum())) % 1000, lens)

@@ -97,7 +97,7 @@ def test_a_store_of_short_documents_packs_rows_of_neighbours(tmp_path):
                 if not ordered:  # the same store packed by best-fit decreasing, to compare
                     mp.setattr(packplan, "ordered_packing", lambda *a: False)
                 plan = PackedPlan(store, seq_len=1024, max_segments=None, seed=1, salt=0)
-            assert plan.packing == ("strata-ordered-v1" if ordered else "strata-v1")
+            assert plan.packing == ("strata-ordered-v2" if ordered else "strata-v1")
             for epoch in (0, 1):
                 layout = epoch_layout(plan, epoch)
                 assert np.array_equal(pair_starts(layout.seg_start, layout.seg_len),
@@ -191,16 +191,18 @@ def test_a_state_of_the_earlier_whole_store_packing_is_refused_saying_why(tmp_pa
 
 
 def test_a_state_packed_by_best_fit_on_a_store_now_packed_in_order_is_refused_saying_why(tmp_path):
-    # the tokenmill before strata-ordered-v1 saved "strata-v1" for this store of short documents:
-    # refused, and the message says what changed (not another allotment of rows to windows)
+    # the tokenmill before strata-ordered-v1 saved "strata-v1" for this store of short documents,
+    # the one of 2026-11-26 "strata-ordered-v1" (a document a stratum, not a run): refused, and
+    # the message says what changed (not another allotment of rows to windows)
     write_positional_store(tmp_path / "s", np.random.default_rng(3).integers(1, 40, 5000))
     with Loader(tmp_path / "s", seq_len=1024, batch_size=4, layout="packed") as ld:
         state = ld.state_dict()
-        assert state["stream"]["packing"] == "strata-ordered-v1"
-        old = {**state, "stream": {**state["stream"], "packing": "strata-v1"}}
-        with pytest.raises(ConfigError, match="packing strata-v1 → strata-ordered-v1: .*short "
-                                              "documents .* in order"):
-            ld.load_state_dict(old)
+        assert state["stream"]["packing"] == "strata-ordered-v2"
+        for was in ("strata-v1", "strata-ordered-v1"):
+            old = {**state, "stream": {**state["stream"], "packing": was}}
+            with pytest.raises(ConfigError, match=f"packing {was} → strata-ordered-v2: .*short "
+                                                  "documents .* in order, taken in runs"):
+                ld.load_state_dict(old)
 
 
 def test_stats_count_the_windows_packed(tmp_path):
@@ -247,13 +249,13 @@ def test_a_store_of_a_few_rows_an_epoch_packs_a_few_epochs_for_its_first_batch(t
 
 
 def test_inspect_names_the_packing_its_padding_is_measured_by(tmp_path, capsys):
-    # a store of short documents packs in order (strata-ordered-v1), under a cap by strata-v2:
+    # a store of short documents packs in order (strata-ordered-v2), under a cap by strata-v2:
     # inspect's padding is the Loader's for that packing, and says which (text and JSON)
     import json
 
     from tokenmill.cli import main
     write_positional_store(tmp_path / "s", np.random.default_rng(2).integers(1, 40, 5000))
-    for cap, name in ((None, "strata-ordered-v1"), (4, "strata-v2")):
+    for cap, name in ((None, "strata-ordered-v2"), (4, "strata-v2")):
         args = ["inspect", str(tmp_path / "s"), "--seq-len", "1024"] + \
             ([] if cap is None else ["--max-segments", str(cap)])
         assert main(args) == 0
@@ -261,3 +263,28 @@ def test_inspect_names_the_packing_its_padding_is_measured_by(tmp_path, capsys):
             capsys.readouterr().out.splitlines()[-1]
         assert main(args + ["--json"]) == 0
         assert json.loads(capsys.readouterr().out)["packing"]["packing"] == name
+
+
+@pytest.mark.parametrize("docs,shard_tokens", [(997, 1 << 30), (150_001, 100_000),
+                                               (200_003, 1 << 30)])
+def test_short_documents_are_taken_in_runs_and_every_pair_is_packed_once(tmp_path, docs,
+                                                                         shard_tokens):
+    # a store of short documents takes a row's worth of consecutive documents (a run) from each
+    # stratum into a window: document counts that are no multiple of the run (a shorter last
+    # run), windows merged at the end of an epoch, several shards — every (input, target) pair
+    # is packed exactly once an epoch, and a row's documents follow one another in the store
+    lengths = np.random.default_rng(docs).integers(1, 6, docs)
+    write_positional_store(tmp_path / "s", lengths, shard_tokens=shard_tokens)
+    with TokenStore(tmp_path / "s") as store:
+        plan = PackedPlan(store, seq_len=64, max_segments=None, seed=3, salt=0)
+        assert plan.packing == "strata-ordered-v2"
+        assert plan.run == -(-65 * docs // int(lengths.sum())) > 1 and docs % plan.run
+        assert (plan.num_windows() >= 2) == (docs > 1000) and plan.merged
+        for epoch in (0, 1, 2):
+            layout = epoch_layout(plan, epoch)
+            assert np.array_equal(pair_starts(layout.seg_start, layout.seg_len),
+                                  store_pairs(lengths))
+        rows = plan.window_rows(1, 0).layout
+        steps = [np.diff(rows.seg_doc[a:b]) for a, b in zip(rows.row_ptr[:-1], rows.row_ptr[1:])]
+        next_doc = np.concatenate(steps)
+        assert np.mean(next_doc == 1) > 0.75, np.mean(next_doc == 1)  # back to back, mostly

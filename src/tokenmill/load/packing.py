@@ -2,18 +2,22 @@
 
 A name changes whenever the rows a step holds would: a state saved under one packing is refused
 by a plan of another (``resume``), never read as a different stream under the same name. A store
-of short documents (``ordered_packing``) packs its windows in order (``pack._open_fit``): a row's
-documents are neighbours in the store, so filling it reads a few pages instead of one a document.
+of short documents (``ordered_packing``) fills its windows with runs of a row's worth of
+consecutive documents (``docs_per_run``) and packs them in order (``pack._open_fit``): a row's
+documents lie back to back in the store, so filling it reads one or two runs of memory, as a
+concat window does, instead of one scattered read a document.
 """
 
 from __future__ import annotations
 
 __all__ = ["ORDERED_SHORTER", "ORDERED_SLACK", "PACKING", "PACKING_CAPPED", "PACKING_ORDERED",
-           "ordered_packing", "packing_name", "plans_packing"]
+           "docs_per_run", "ordered_packing", "packing_name", "plans_packing"]
 
 PACKING = "strata-v1"  # goes into the fingerprint: batches change when this does
 PACKING_CAPPED = "strata-v2"  # under max_segments: β from the first block of windows + 4 σ
-PACKING_ORDERED = "strata-ordered-v1"  # short documents: rows of neighbours (``ordered_packing``)
+PACKING_ORDERED = "strata-ordered-v2"  # short documents: rows of neighbours (``ordered_packing``)
+# v1 (one release: 2026-11-26) took one document a stratum into a window; v2 takes a run of a
+# row's worth (``docs_per_run``): a row's documents are back to back in the store
 ORDERED_SHORTER = 16  # documents a row holds on average, at least, for ordered packing
 ORDERED_SLACK = 0.001  # rows packing in order may take beyond best-fit decreasing's (samples)
 
@@ -40,6 +44,15 @@ def ordered_packing(num_docs: int, num_tokens: int, seq_len: int, max_segments: 
     ordered_packing(225_000, 11_000_000, 2048, None) is True
     """
     return max_segments is None and num_tokens * ORDERED_SHORTER <= num_docs * (seq_len + 1)
+
+
+def docs_per_run(num_docs: int, num_tokens: int, seq_len: int) -> int:
+    """Consecutive documents a window takes from a stratum when it packs in order: a row's worth
+    at the store's mean length (a row then holds one run, or the ends of two).
+
+    docs_per_run(225_000, 11_000_000, 2048) == 42
+    """
+    return max(1, -(-(seq_len + 1) * num_docs // max(1, num_tokens)))
 
 
 def plans_packing(plans: list) -> str:

@@ -21,8 +21,9 @@ every token of every document is in exactly one row each epoch. Under ``max_segm
 guarantees it (a row's segment slots may all be taken), so β covers the windows of the first block
 read plus Z_CAPPED standard deviations of their needs, and a window still short of rows is an error
 naming it. A store of short documents whose sample windows pack as densely in order packs every
-window in order (``packing.ordered_packing``, ``strata-ordered-v1``): a row's documents are
-neighbours.
+window in order (``packing.ordered_packing``, ``strata-ordered-v2``), its strata cut in runs of a
+row's worth of consecutive documents (``packing.docs_per_run``): a window takes a run a stratum,
+so a row's documents lie back to back in the store.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from tokenmill.load import fastpath, pack
 from tokenmill.base.arrays import counting, distinct, is_run, ranges, stable_order
 from tokenmill.base.errors import ConfigError
 from tokenmill.load.packfit import fit_rows
-from tokenmill.load.packing import ORDERED_SLACK, ordered_packing, packing_name
+from tokenmill.load.packing import ORDERED_SLACK, docs_per_run, ordered_packing, packing_name
 from tokenmill.load.sampler import epoch_permutation, hash_ints
 
 __all__ = ["PackedPlan", "WindowRows", "docs_per_window", "epoch_layout", "window_memory"]
@@ -107,27 +108,41 @@ class PackedPlan:
             raise ConfigError(f"{store.path}: no documents to pack (documents {d}, tokens {t})")
         self.num_docs, self.num_tokens = d, t
         self.k = docs_per_window(d, t, seq_len)
-        self.bounds = np.arange(self.k + 1, dtype=np.int64) * d // self.k  # strata of documents
-        self.sizes = np.diff(self.bounds)  # M_i: 1 <= M_i, all within one of each other
-        self.windows = int(self.sizes.max())  # W: window w holds stratum i's doc iff M_i > w
-        self.merged = self.windows >= 2 and int(self.sizes.min()) < self.windows
         self._lock = threading.RLock()
-        self._epochs: OrderedDict[int, tuple] = OrderedDict()
-        self._cache: OrderedDict[tuple[int, int], WindowRows] = OrderedDict()
-        self._blocks: OrderedDict[tuple[int, int], list] = OrderedDict()
-        self.block = max(1, min(BLOCK_WINDOWS, BLOCK_DOCS // self.k))  # windows read at once
-        self._prefix: dict[tuple[int, int], int] = {}
-        self._probes, self._natural = {}, {}  # epochs' probes; samples' rows (calibrating)
-        self._counted: OrderedDict[int, bytearray] = OrderedDict()  # epoch → window marks
-        self._last: tuple | None = None  # (first draw, end draw, WindowRows) of the last window
         self._pending: dict[tuple[int, int], Future] = {}
         self._ahead_busy = False
         self.counts = {"windows_packed": 0, "documents_packed": 0, "documents_cut": 0,
                        "num_truncated": 0, "most_segments": 0}
-        self.ordered = ordered_packing(d, t, seq_len, max_segments) and self._order_fits()
+        ordered = ordered_packing(d, t, seq_len, max_segments)
+        self._strata(docs_per_run(d, t, seq_len) if ordered else 1)
+        self.ordered = ordered and self._order_fits()
+        if ordered and not self.ordered:  # best fit reorders a window anyway: strata of documents
+            self._strata(1)
         self.packing = packing_name(max_segments, self.ordered)
         self.beta = self.calibrate()
         self.num_rows = self.allotted(0, self.windows, self.num_tokens)
+
+    def _strata(self, run: int) -> None:
+        """Strata of runs of ``run`` documents (the last run shorter), and empty caches."""
+        self.run = run
+        units = -(-self.num_docs // run)
+        self.strata = max(1, min(units, round(self.k / run)))  # K: runs a window
+        self.bounds = np.arange(self.strata + 1, dtype=np.int64) * units // self.strata
+        self.sizes = np.diff(self.bounds)  # M_i: 1 <= M_i, all within one of each other
+        self.windows = int(self.sizes.max())  # W: window w holds stratum i's run iff M_i > w
+        self.merged = self.windows >= 2 and int(self.sizes.min()) < self.windows
+        self.block = max(1, min(BLOCK_WINDOWS, BLOCK_DOCS // self.k))  # windows read at once
+        self._epochs: OrderedDict[int, tuple] = OrderedDict()
+        self._cache: OrderedDict[tuple[int, int], WindowRows] = OrderedDict()
+        self._blocks: OrderedDict[tuple[int, int], list] = OrderedDict()
+        self._prefix: dict[tuple[int, int], int] = {}
+        self._probes, self._natural = {}, {}  # epochs' probes; samples' rows (calibrating)
+        self._counted: OrderedDict[int, bytearray] = OrderedDict()  # epoch → window marks
+        self._last: tuple | None = None  # (first draw, end draw, WindowRows) of the last window
+
+    def _first_doc(self, units: np.ndarray) -> np.ndarray:
+        """The first document of each run (the number of documents for the end)."""
+        return units if self.run == 1 else np.minimum(units * self.run, self.num_docs)
 
     # -- the allotment: G(w) = ⌊(P_w + β·w) / L⌋, β in tokens ---------------------------------
 
@@ -149,7 +164,7 @@ class PackedPlan:
             hit = self._epochs.get(epoch)
             if hit is None:
                 hit = self._epochs[epoch] = (hash_ints(
-                    _TAG, self.seed, self.salt, epoch, np.arange(self.k)) %
+                    _TAG, self.seed, self.salt, epoch, np.arange(self.strata)) %
                     self.sizes.astype(np.uint64)).astype(np.int64)
                 if len(self._epochs) > 4:
                     self._epochs.popitem(last=False)
@@ -163,10 +178,10 @@ class PackedPlan:
         with self._lock:
             hit = self._probes.get(key)
         if hit is not None:
-            return (*hit, self.store.doc_spans(ids)[0])
-        shift, k = self._shift(epoch), self.k
-        starts = self.store.doc_spans(np.concatenate([self.bounds, self.bounds[:-1] + shift,
-                                                      ids]))[0]
+            return (*hit, self.store.doc_spans(self._first_doc(ids))[0])
+        shift, k = self._shift(epoch), self.strata
+        starts = self.store.doc_spans(self._first_doc(np.concatenate(
+            [self.bounds, self.bounds[:-1] + shift, ids])))[0]
         hit = (starts[k + 1:2 * k + 1], np.diff(starts[:k + 1]))
         with self._lock:
             if len(self._probes) >= 4:
@@ -203,7 +218,7 @@ class PackedPlan:
         return total
 
     def _probe(self, epoch: int, w: int) -> int:
-        """P_w read from the strata: each one's tokens before its w-th document this epoch."""
+        """P_w read from the strata: each one's tokens before its w-th run this epoch."""
         q = self._shift(epoch) + np.minimum(w, self.sizes)
         wrap = q > self.sizes
         first, sizes, ends = self._firsts(
@@ -251,10 +266,14 @@ class PackedPlan:
         return np.concatenate([self._ids(epoch, x) for x in range(w, self._end(w))])
 
     def _ids(self, epoch: int, x: int) -> np.ndarray:
-        """Document ids of raw window index x: stratum i's document (shift_i + x) mod M_i."""
+        """Document ids of raw window index x: stratum i's run (shift_i + x) mod M_i."""
         shift = self._shift(epoch)
         has = self.sizes > x
-        return self.bounds[:-1][has] + (shift[has] + x) % self.sizes[has]
+        units = self.bounds[:-1][has] + (shift[has] + x) % self.sizes[has]
+        if self.run == 1:
+            return units
+        first = units * self.run
+        return ranges(first, np.minimum(self.run, self.num_docs - first))
 
     def _spans(self, epoch: int, xs: list[int]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """(ids, first tokens, lengths) of the documents of raw window indices ``xs``, read in
@@ -467,6 +486,7 @@ class PackedPlan:
         with self._lock:
             counts = dict(self.counts)
         return {"rows": self.num_rows, "packing": self.packing, "documents_per_window": self.k,
+                "documents_per_run": self.run,
                 "windows": self.num_windows(), "beta_rows": self.beta / self.seq_len,
                 "padding_at_most": 1 - used / (self.num_rows * self.capacity), **counts}
 

@@ -109,7 +109,8 @@ def _schedule(stream: Mapping[str, Any]) -> str:
 def _packing_change(was: str, now: str) -> str:
     if was != LEGACY_PACKING:
         how = ("a store of short documents (16 or more a row) packs each window's documents in "
-               "order" if "ordered" in f"{was} {now}" else "packed rows are allotted to windows "
+               "order, taken in runs of a row's worth of consecutive documents"
+               if "ordered" in f"{was} {now}" else "packed rows are allotted to windows "
                "differently")
         return (f"packing {was} → {now}: the state was saved by a tokenmill that packed rows "
                 f"otherwise ({now}: {how}), so the same step holds other rows — finish that "
