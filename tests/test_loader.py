@@ -199,7 +199,7 @@ def test_epochs_stop_and_len(store):
 def test_worker_exception_surfaces_with_its_message(store, monkeypatch):
     from tokenmill.load import plan as plan_mod
 
-    def boom(self, addrs, starts, dest, out):
+    def boom(self, *args, **kwargs):
         raise ValueError("boom from a worker")
     monkeypatch.setattr(plan_mod.SampleSource, "fill_at", boom)
     with Loader(store, seq_len=L, batch_size=4, num_workers=2, rank=0, world_size=1) as ld:

@@ -11,7 +11,8 @@ from tokenmill import Loader
 from tokenmill.load import pack, packplan
 from tokenmill.base.errors import ConfigError
 from tokenmill.load.packfit import fit_rows
-from tokenmill.load.packplan import PackedPlan, docs_per_window, epoch_layout
+from tokenmill.load.packing import docs_per_window
+from tokenmill.load.packplan import PackedPlan, epoch_layout
 from tokenmill.store import TokenStore
 
 

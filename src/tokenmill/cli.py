@@ -389,10 +389,10 @@ def run_plan(args) -> int:
     if args.layout == "packed" and not args.store:
         raise ConfigError("--layout packed needs --store STORE: the packed plan's size "
                           "depends on the store's document lengths")
-    from tokenmill.load import fastpath, packplan
+    from tokenmill.load import fastpath, packing
     from tokenmill.store import read_manifest
     m = read_manifest(args.store) if args.store else {"num_documents": 0, "num_tokens": 0}
-    packed = packplan.window_memory(m["num_documents"], m["num_tokens"], args.seq_len)
+    packed = packing.window_memory(m["num_documents"], m["num_tokens"], args.seq_len)
     plan = memory_plan(seq_len=args.seq_len, batch_size=args.batch_size, layout=args.layout,
                        dtype=args.dtype, prefetch=args.prefetch, packed_bytes=packed)
     print(f"batch ring     {plan['batch_ring'] / 2**20:10.2f} MiB  "

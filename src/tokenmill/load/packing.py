@@ -1,4 +1,5 @@
-"""Which packing a store's packed plan uses, by the name its fingerprint and resume state carry.
+"""Which packing a store's packed plan uses, by the name its fingerprint and resume state carry,
+and how its windows are sized (documents a window, a run, the memory a plan holds).
 
 A name changes whenever the rows a step holds would: a state saved under one packing is refused
 by a plan of another (``resume``), never read as a different stream under the same name. A store
@@ -10,8 +11,11 @@ concat window does, instead of one scattered read a document.
 
 from __future__ import annotations
 
-__all__ = ["ORDERED_SHORTER", "ORDERED_SLACK", "PACKING", "PACKING_CAPPED", "PACKING_ORDERED",
-           "docs_per_run", "ordered_packing", "packing_name", "plans_packing"]
+import numpy as np
+
+__all__ = ["BLOCK_DOCS", "BLOCK_WINDOWS", "CACHED_WINDOWS", "ORDERED_SHORTER", "ORDERED_SLACK",
+           "PACKING", "PACKING_CAPPED", "PACKING_ORDERED", "ROWS_PER_WINDOW", "docs_per_run",
+           "docs_per_window", "ordered_packing", "packing_name", "plans_packing", "window_memory"]
 
 PACKING = "strata-v1"  # goes into the fingerprint: batches change when this does
 PACKING_CAPPED = "strata-v2"  # under max_segments: β from the first block of windows + 4 σ
@@ -20,6 +24,10 @@ PACKING_ORDERED = "strata-ordered-v2"  # short documents: rows of neighbours (``
 # row's worth (``docs_per_run``): a row's documents are back to back in the store
 ORDERED_SHORTER = 16  # documents a row holds on average, at least, for ordered packing
 ORDERED_SLACK = 0.001  # rows packing in order may take beyond best-fit decreasing's (samples)
+ROWS_PER_WINDOW = 4096  # rows a window aims at: a row of margin a window costs 0.025% padding
+MIN_WINDOW, MAX_WINDOW = 64, 1 << 16  # documents a window
+CACHED_WINDOWS = 8  # packed windows a plan keeps
+BLOCK_WINDOWS, BLOCK_DOCS = 8, 1 << 18  # windows whose documents one pass reads: ≤ 6 MB
 
 
 def packing_name(max_segments: int | None, ordered: bool = False) -> str:
@@ -59,3 +67,27 @@ def plans_packing(plans: list) -> str:
     """The packing name of a mixture's plans: the one name, or each store's joined by '+'."""
     names = [p.packing for p in plans]
     return names[0] if len(set(names)) == 1 else "+".join(names)
+
+
+def docs_per_window(num_docs: int, num_tokens: int, seq_len: int) -> int:
+    """K, documents a window: about ROWS_PER_WINDOW rows' worth at the store's mean length.
+
+    docs_per_window(10**8, 10**11, 2048) == 8393
+    """
+    mean = max(1.0, num_tokens / max(1, num_docs))
+    k = int(np.ceil(ROWS_PER_WINDOW * (seq_len + 1) / mean))
+    return max(1, min(num_docs, max(MIN_WINDOW, min(MAX_WINDOW, k))))
+
+
+def window_memory(num_docs: int, num_tokens: int, seq_len: int) -> int:
+    """Bytes a packed plan holds at most: CACHED_WINDOWS packed windows (24 bytes a segment, 16
+    a row) and two blocks of read index entries (24 bytes a document); bounded by the window
+    size, whatever the store's.
+
+    window_memory(10**8, 10**11, 2048) < 64 * 2**20
+    """
+    k = docs_per_window(max(1, num_docs), max(2, num_tokens), seq_len)
+    rows = -(-k * max(1, num_tokens // max(1, num_docs)) // (seq_len + 1))
+    window = int(k * 1.1) * 24 + (rows + 1) * 16
+    block = max(1, min(BLOCK_WINDOWS, BLOCK_DOCS // k)) * k * 24
+    return CACHED_WINDOWS * window + 2 * block

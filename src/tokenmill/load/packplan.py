@@ -40,46 +40,19 @@ from tokenmill.load import fastpath, pack
 from tokenmill.base.arrays import counting, distinct, is_run, ranges, stable_order
 from tokenmill.base.errors import ConfigError
 from tokenmill.load.packfit import fit_rows
-from tokenmill.load.packing import ORDERED_SLACK, docs_per_run, ordered_packing, packing_name
+from tokenmill.load.packing import BLOCK_DOCS, BLOCK_WINDOWS, CACHED_WINDOWS, ORDERED_SLACK, \
+    docs_per_run, docs_per_window, ordered_packing, packing_name
 from tokenmill.load.sampler import epoch_permutation, hash_ints
 
-__all__ = ["PackedPlan", "WindowRows", "docs_per_window", "epoch_layout", "window_memory"]
+__all__ = ["PackedPlan", "WindowRows", "epoch_layout"]
 
-ROWS_PER_WINDOW = 4096  # rows a window aims at: a row of margin a window costs 0.025% padding
-MIN_WINDOW, MAX_WINDOW = 64, 1 << 16  # documents a window
 SAMPLES = 4  # windows of epoch 0 packed to set β
 MARGIN = 0.0  # β: rows above the largest of the samples' needs, per row they needed
 MARGIN_CAPPED = 0.005  # under max_segments a window short of rows may not be mendable by cuts
 Z_CAPPED = 4.0  # under max_segments: standard deviations of the sampled windows' needs added to
 # β (a window's need is a sum over thousands of documents, near normal: 4 σ leaves ~3e-5 of
 # windows short of the β their sample implies)
-CACHED_WINDOWS = 8
-BLOCK_WINDOWS, BLOCK_DOCS = 8, 1 << 18  # windows whose documents one pass reads: ≤ 6 MB
 _TAG = 0x73747261  # "stra"
-
-
-def docs_per_window(num_docs: int, num_tokens: int, seq_len: int) -> int:
-    """K, documents a window: about ROWS_PER_WINDOW rows' worth at the store's mean length.
-
-    docs_per_window(10**8, 10**11, 2048) == 8393
-    """
-    mean = max(1.0, num_tokens / max(1, num_docs))
-    k = int(np.ceil(ROWS_PER_WINDOW * (seq_len + 1) / mean))
-    return max(1, min(num_docs, max(MIN_WINDOW, min(MAX_WINDOW, k))))
-
-
-def window_memory(num_docs: int, num_tokens: int, seq_len: int) -> int:
-    """Bytes a packed plan holds at most: CACHED_WINDOWS packed windows (24 bytes a segment, 16
-    a row) and two blocks of read index entries (24 bytes a document); bounded by the window
-    size, whatever the store's.
-
-    window_memory(10**8, 10**11, 2048) < 64 * 2**20
-    """
-    k = docs_per_window(max(1, num_docs), max(2, num_tokens), seq_len)
-    rows = -(-k * max(1, num_tokens // max(1, num_docs)) // (seq_len + 1))
-    window = int(k * 1.1) * 24 + (rows + 1) * 16
-    block = max(1, min(BLOCK_WINDOWS, BLOCK_DOCS // k)) * k * 24
-    return CACHED_WINDOWS * window + 2 * block
 
 
 # ---- the plan ---------------------------------------------------------------------------------

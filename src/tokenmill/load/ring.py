@@ -97,7 +97,7 @@ def refcounts(bufs: dict) -> list[int]:
 def memory_plan(*, seq_len: int, batch_size: int, layout: str = "concat", dtype: str = "int32",
                 prefetch: int = 2, packed_bytes: int = 0) -> dict[str, int]:
     """Bytes the Loader's buffers take for a config: the batch ring, and ``packed_bytes`` (the
-    packed plan's windows, ``packplan.window_memory``) for the packed layout.
+    packed plan's windows, ``packing.window_memory``) for the packed layout.
 
     memory_plan(seq_len=2048, batch_size=8, prefetch=2)["batch_ring"] == 2 * 8 * 2048 * 4 * 4
     """
