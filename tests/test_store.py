@@ -570,3 +570,9 @@ def test_doc_spans_of_a_damaged_index_raise_when_the_index_is_mapped_for_them(tm
             with pytest.raises(StoreError, match=r"shard-00000\.idx: documents .* offsets and "
                                                  r"lengths disagree"):
                 store.doc_spans(ids)
+    with TokenStore(tmp_path / "s") as store:  # the index mapped first by a document read
+        store[0]
+        for ids in (np.arange(0, 100), np.arange(0, n)):
+            with pytest.raises(StoreError, match=r"shard-00000\.idx: documents .* offsets and "
+                                                 r"lengths disagree"):
+                store.doc_spans(ids)

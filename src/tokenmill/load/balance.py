@@ -240,7 +240,6 @@ def full_row_bound(lengths, offsets, *, world: int, capacity: int,
     return max(1.0, floor / mean) if mean > 0 else 1.0
 
 
-
 def stratified_order(costs, offset: int) -> np.ndarray:
     """The rows of a block dealt to its places by cost, int64 (place i gets row out[i]): place i
     takes the row whose cost rank is the rank of (offset + i·GOLDEN64) mod 2**64 among the

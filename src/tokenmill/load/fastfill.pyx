@@ -26,9 +26,6 @@ SIZES = (1, 2, 4, 4, 8)
 cdef extern from *:
     void __builtin_prefetch(const void*) nogil
 
-cdef enum:
-    AHEAD = 8  # segments fetched ahead of the one copied
-
 ctypedef fused out_t:
     int32_t
     int64_t
@@ -65,6 +62,12 @@ cdef inline void copy_run(const tok_t* src, out_t* inp, out_t* tgt, Py_ssize_t a
         tgt[k] = <out_t>src[k + 1 - at]
 
 
+cdef inline Py_ssize_t slot_of(const int64_t[::1] mapped, Py_ssize_t k) noexcept nogil:
+    """Shard k's place among the mapped shards (ascending), or -1 when it is not mapped."""
+    cdef Py_ssize_t m = upper(mapped, k) - 1
+    return m if m >= 0 and mapped[m] == k else -1
+
+
 cdef inline const char* source_of(const int64_t[::1] bounds, const int64_t[::1] mapped,
                                   const uint64_t* ptrs, int64_t s, Py_ssize_t size
                                   ) noexcept nogil:
@@ -72,10 +75,8 @@ cdef inline const char* source_of(const int64_t[::1] bounds, const int64_t[::1] 
     cdef Py_ssize_t k = upper(bounds, s) - 1, m
     if k < 0 or k >= bounds.shape[0] - 1:
         return NULL
-    m = upper(mapped, k) - 1
-    if m < 0 or mapped[m] != k:
-        return NULL
-    return (<const char*><uintptr_t>ptrs[m]) + (s - bounds[k]) * size
+    m = slot_of(mapped, k)
+    return NULL if m < 0 else (<const char*><uintptr_t>ptrs[m]) + (s - bounds[k]) * size
 
 
 cdef int rows_of(const tok_t* kind, const int64_t[::1] row_ptr, const int64_t[::1] seg_start,
@@ -85,13 +86,12 @@ cdef int rows_of(const tok_t* kind, const int64_t[::1] row_ptr, const int64_t[::
     """Tokens of packed rows ``ids`` into batch rows ``dest``; 1 if a segment is not inside one
     shard or overfills its row, or (unless ``partial``: then it is left for another call with
     its shard) its shard is not mapped — nothing is then trusted: the caller goes the numpy way.
-    A row's segments are scattered short runs: each is fetched AHEAD segments before it is
-    copied (a prefetch), so that their memory latencies overlap."""
-    cdef Py_ssize_t i, j, r, at, n, L = inputs.shape[1], k, m, end
+    Every segment's memory is asked for first (prefetches: the batch's short runs of tokens lie
+    all over the shards), then copied, so that their latencies overlap."""
+    cdef Py_ssize_t i, j, r, at, n, L = inputs.shape[1], k, m, c
     cdef int64_t s
     cdef const tok_t* src
     cdef const char* ahead
-    cdef Py_ssize_t c
     for i in range(ids.shape[0]):
         for j in range(row_ptr[ids[i]], row_ptr[ids[i] + 1]):
             ahead = source_of(bounds, mapped, ptrs, seg_start[j], sizeof(tok_t))
@@ -101,15 +101,14 @@ cdef int rows_of(const tok_t* kind, const int64_t[::1] row_ptr, const int64_t[::
     for i in range(ids.shape[0]):
         r = dest[i]
         at = 0
-        end = row_ptr[ids[i] + 1]
-        for j in range(row_ptr[ids[i]], end):
+        for j in range(row_ptr[ids[i]], row_ptr[ids[i] + 1]):
             n = seg_len[j]
             s = seg_start[j]
             k = upper(bounds, s) - 1
             if k < 0 or k >= bounds.shape[0] - 1 or s + n > bounds[k + 1] or at + n > L + 1:
                 return 1
-            m = upper(mapped, k) - 1
-            if m < 0 or mapped[m] != k:
+            m = slot_of(mapped, k)
+            if m < 0:
                 if not partial:
                     return 1
                 at += n

@@ -85,10 +85,10 @@ def pack_window(lengths: np.ndarray, starts: np.ndarray, docs: np.ndarray, seq_l
                 rows: int, max_segments: int | None = None, ordered: bool = False
                 ) -> tuple | None:
     """A window's documents packed into exactly ``rows`` rows, as ``packplan.PackedPlan.pack``
-    packs them (pieces, best fit decreasing or the open fit in order, rows split to the
-    allotment) in one compiled pass with the GIL released: (row_ptr, seg_start, seg_len,
+    packs them (pieces, best fit decreasing or the open fit in order, rows split or squeezed to
+    the allotment) in one compiled pass with the GIL released: (row_ptr, seg_start, seg_len,
     seg_doc, documents cut); None when it is off, under a cap (the fair fill is not compiled) or
-    the window needs squeezing."""
+    the rows left have no room for a squeezed window's segments (cut as a stream in Python)."""
     if not ENABLED or max_segments is not None:
         return None
     need = fastpack.work_size(lengths, seq_len, rows)

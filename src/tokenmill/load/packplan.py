@@ -81,6 +81,7 @@ class PackedPlan:
             raise ConfigError(f"{store.path}: no documents to pack (documents {d}, tokens {t})")
         self.num_docs, self.num_tokens = d, t
         self.k = docs_per_window(d, t, seq_len)
+        self.block = max(1, min(BLOCK_WINDOWS, BLOCK_DOCS // self.k))  # windows read at once
         self._lock = threading.RLock()
         self._pending: dict[tuple[int, int], Future] = {}
         self._ahead_busy = False
@@ -104,7 +105,6 @@ class PackedPlan:
         self.sizes = np.diff(self.bounds)  # M_i: 1 <= M_i, all within one of each other
         self.windows = int(self.sizes.max())  # W: window w holds stratum i's run iff M_i > w
         self.merged = self.windows >= 2 and int(self.sizes.min()) < self.windows
-        self.block = max(1, min(BLOCK_WINDOWS, BLOCK_DOCS // self.k))  # windows read at once
         self._epochs: OrderedDict[int, tuple] = OrderedDict()
         self._cache: OrderedDict[tuple[int, int], WindowRows] = OrderedDict()
         self._blocks: OrderedDict[tuple[int, int], list] = OrderedDict()
@@ -458,8 +458,8 @@ class PackedPlan:
         used = self.num_tokens  # pieces of long documents and cuts add a token each: ≤ this
         with self._lock:
             counts = dict(self.counts)
-        return {"rows": self.num_rows, "packing": self.packing, "documents_per_window": self.k,
-                "documents_per_run": self.run,
+        return {"rows": self.num_rows, "packing": self.packing,
+                "documents_per_window": self.strata * self.run, "documents_per_run": self.run,
                 "windows": self.num_windows(), "beta_rows": self.beta / self.seq_len,
                 "padding_at_most": 1 - used / (self.num_rows * self.capacity), **counts}
 

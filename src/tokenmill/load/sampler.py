@@ -63,8 +63,13 @@ def _to_u64(value: int | np.ndarray) -> np.ndarray:
         if value.dtype.kind not in "iu":
             raise ConfigError(f"expected integers, got an array of dtype {value.dtype}")
         return value.astype(np.uint64)  # int64 -1 wraps to 2**64-1, the same as -1 & _M64
+    return np.uint64(_word(value))
+
+
+def _word(value) -> int:
+    """An integer (a Python int of any sign/size, or a numpy integer) mod 2**64."""
     try:
-        return np.uint64(operator.index(value) & _M64)
+        return operator.index(value) & _M64
     except TypeError:
         raise ConfigError(f"expected an integer (got {value!r})") from None
 
@@ -105,11 +110,7 @@ def _hash_words(values: tuple) -> int:
     """``hash_ints`` of plain integers, in Python ints (each array step of it costs ~1 µs)."""
     h = len(values)
     for v in values:
-        try:
-            w = operator.index(v) & _M64
-        except TypeError:
-            raise ConfigError(f"expected an integer (got {v!r})") from None
-        h = ((h ^ w) + _GOLDEN_INT) & _M64
+        h = ((h ^ _word(v)) + _GOLDEN_INT) & _M64
         h ^= h >> 30
         h = (h * _C1_INT) & _M64
         h ^= h >> 27

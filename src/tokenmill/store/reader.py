@@ -118,7 +118,7 @@ class TokenStore:
         self._check_totals()
         self._bins: list[np.ndarray | None] = [None] * len(shards)
         self._idx: list[IdxArrays | None] = [None] * len(shards)
-        self._seen = bytearray(len(shards))  # shards whose first use was checked
+        self._seen, self._offsets_ok = bytearray(len(shards)), bytearray(len(shards))  # checked
         self._maps: OrderedDict[int, int] = OrderedDict()  # key → bytes, oldest first: i for
         self._lock = threading.Lock()                     # shard i's .bin, -1 - i for its .idx
         self._shard_locks: dict[int, threading.Lock] = {}
@@ -127,10 +127,10 @@ class TokenStore:
                                      hint=VERIFY_HINT)
         self._closed = False
 
-    def _index(self, i: int, offsets: bool = False) -> IdxArrays:
+    def _index(self, i: int) -> IdxArrays:
         x = self._idx[i]
         if x is None:
-            return self._map_idx(i, offsets)
+            return self._map_idx(i)
         try:
             self._maps.move_to_end(-1 - i)
         except KeyError:
@@ -225,15 +225,13 @@ class TokenStore:
                              f"({s['bin_bytes'] / self.dtype.itemsize:,.1f} {self.dtype} tokens), "
                              f"the manifest says {s['num_tokens']:,} tokens; {DISAGREE}")
 
-    def _map_idx(self, i: int, offsets: bool = False) -> IdxArrays:
+    def _map_idx(self, i: int) -> IdxArrays:
         with self._shard_lock(-1 - i):
             if (x := self._idx[i]) is not None:
                 return x
             if self._closed:
                 raise StoreError(f"{self._where}: the store is closed; open it again to read it")
             x = self._read_index(i, in_memory=self._remote is not None)
-            if offsets:  # before it is kept: a damaged index raises at every call, as unmapped
-                check_offsets(self._file(i, ".idx"), 0, x.lengths, x.pointers, x.dtype.itemsize)
             self._keep(-1 - i, x)
             return x
 
@@ -426,13 +424,16 @@ class TokenStore:
 
     def _entries(self, i: int, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(byte offsets, lengths) of shard ``i``'s documents ``local``: from its index if mapped,
-        remote, or a quarter of it is asked for (mapped once, not read whole at every call), else
-        read alone (a pass over many shards maps no index: read_idx_entries)."""
+        remote or a quarter of it is asked for (mapped once, its offsets checked once), else read
+        alone (a pass over many shards maps no index: read_idx_entries)."""
         x = self._idx[i]
         if x is None and (self._remote is not None or
                           4 * len(local) >= self.manifest["shards"][i]["num_documents"]):
-            x = self._index(i, offsets=True)  # checked as read_idx_entries checks its reads
+            x = self._index(i)
         if x is not None:
+            if not self._offsets_ok[i]:  # whoever mapped it; damaged: raises at every call
+                check_offsets(self._file(i, ".idx"), 0, x.lengths, x.pointers, x.dtype.itemsize)
+                self._offsets_ok[i] = 1
             return x.pointers[local], x.lengths[local].astype(np.int64)  # pointers: <i8
         name = f"{self._base}/{self.manifest['shards'][i]['name']}.idx"
         got = read_idx_entries(name, local, check=self._same_file(i, ".idx"))
