@@ -47,7 +47,7 @@ def lengths(rng, n: int, seq_len: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("seq_len,max_segments", [(1, None), (2, None), (7, 2), (64, None),
-                                                  (64, 3), (257, None)])
+                                                  (64, 3), (257, None), (5000, None)])
 @pytest.mark.parametrize("out_dtype", [np.int32, np.int64])
 def test_packed_rows_equal_the_numpy_path(seq_len, max_segments, out_dtype):
     rng = np.random.default_rng(seq_len)
@@ -197,7 +197,8 @@ def test_a_window_packs_into_the_rows_of_the_python_path(seq_len, ordered):
     # (rows dissolved into the others' room, cut where nothing fits whole; were no room left,
     # the window would be cut as one stream, which only the Python path does: never seen with
     # no cap at or above the rows a stream fits, the plan's least)
-    from tokenmill.load.pack import pieces, place
+    from tokenmill.load.pack import pieces, place, truncation
+    from tokenmill.load.sampler import epoch_permutation
     rng = np.random.default_rng(seq_len)
     cap = seq_len + 1
     squeezed = streamed = 0
@@ -214,7 +215,9 @@ def test_a_window_packs_into_the_rows_of_the_python_path(seq_len, ordered):
         fewer = {max(least, x) for x in (natural - 1, natural - int(rng.integers(2, 6)),
                                          natural * 9 // 10)}
         for rows in {natural, natural + 1, natural + int(rng.integers(2, 40)), *fewer}:
-            compiled = fastpath.pack_window(lengths, starts, docs, seq_len, rows, ordered=ordered)
+            shuffle = epoch_permutation(max(1, rows), seed=trial, epoch=rows)
+            compiled = fastpath.pack_window(lengths, starts, docs, seq_len, rows, ordered=ordered,
+                                            order=shuffle if trial % 2 else None)
             ref, stream = python_window(lengths, starts, docs, seq_len, rows, ordered)
             if stream:
                 streamed += 1
@@ -224,6 +227,11 @@ def test_a_window_packs_into_the_rows_of_the_python_path(seq_len, ordered):
             assert compiled is not None and len(compiled[0]) == rows + 1
             for got, want in zip(compiled, ref):
                 assert np.array_equal(got, want), (trial, rows, natural)
+            assert compiled[5:7] == truncation(lengths, seq_len)
+            if trial % 2:  # the rows' order, made in the same pass: the sampler's permutation
+                assert np.array_equal(compiled[7], shuffle(np.arange(rows)))
+            else:
+                assert compiled[7] is None
     assert squeezed > 40 if seq_len >= 64 else True  # short rows are full: nothing to squeeze
 
 
@@ -242,6 +250,30 @@ def test_a_plan_packs_the_same_windows_either_way(tmp_path, seq_len, packing):
                                for k in range(0, 200, 7)]
     for a, b in zip(layouts[True], layouts[False]):
         assert_same(a, b)
+
+
+@pytest.mark.parametrize("docs,run,strata", [(1, 1, 1), (10, 1, 3), (1000, 1, 7),
+                                             (1000, 41, 6), (997, 41, 5), (50, 7, 8)])
+def test_a_window_s_documents_are_those_of_the_python_path(docs, run, strata):
+    # strata of unequal sizes (the last windows hold fewer strata: a merged last), a shorter
+    # last run, every shift and window index, and indices past the last window (no documents)
+    from tokenmill.load.packplan import PackedPlan
+    rng = np.random.default_rng(docs + run)
+    units = -(-docs // run)
+    strata = min(strata, units)
+    plan = PackedPlan.__new__(PackedPlan)
+    plan.num_docs, plan.run, plan.strata = docs, run, strata
+    plan.bounds = np.arange(strata + 1, dtype=np.int64) * units // strata
+    plan.sizes = np.diff(plan.bounds)
+    for trial in range(20):
+        shift = rng.integers(0, 1 << 40, strata) % plan.sizes
+        plan._shift = lambda epoch: shift
+        xs = sorted(rng.choice(int(plan.sizes.max()) + 2, min(4, int(plan.sizes.max()) + 2),
+                               replace=False).tolist())
+        ids, offsets = fastpath.window_ids(plan.bounds, shift, xs, run, docs)
+        want = [plan._ids(0, x) for x in xs]
+        assert offsets.tolist() == [0, *np.cumsum([len(w) for w in want]).tolist()]
+        assert np.array_equal(ids, np.concatenate(want))
 
 
 @pytest.mark.parametrize("capacity", [1, 2, 5, 65, 2049])

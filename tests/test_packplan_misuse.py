@@ -124,3 +124,60 @@ def test_a_resume_deep_in_an_epoch_reads_the_indexes_in_two_passes(tmp_path, whe
         j = int(plan.num_rows * (5 + where))
         plan.locate(np.arange(j, j + 4096))  # a block of positions, as the Loader's
         assert counting.passes == 2
+
+
+FORK_SCRIPT = """
+import hashlib, os, sys, threading, time
+import numpy as np
+from tokenmill import Loader
+from tokenmill.load.packplan import PackedPlan
+
+packing, real = threading.Event(), PackedPlan.pack
+def slow_pack(self, *args):  # the pack-ahead thread is mid-window when the process forks
+    if threading.current_thread() is not threading.main_thread() and not packing.is_set():
+        packing.set()
+        time.sleep(1.0)
+    return real(self, *args)
+PackedPlan.pack = slow_pack
+
+def digest(loader, steps):
+    h = hashlib.sha256()
+    for k in range(steps):
+        for a in loader.batch_at(k * 8).values():
+            h.update(a.tobytes())
+    return h.hexdigest()
+
+ld = Loader(sys.argv[1], seq_len=16, batch_size=8, layout="packed", num_workers=0)
+next(iter(ld))  # window 0 packed here; window 1 handed to the pack-ahead thread
+assert packing.wait(30)
+plan = ld.plan.sources[0].packed
+steps = 3 * plan.num_rows // 8  # three epochs: every window of each, packed in the child
+pid = os.fork()
+if pid == 0:
+    print("child", digest(ld, steps), flush=True)
+    os._exit(0)
+print("parent", digest(ld, steps), flush=True)
+deadline = time.monotonic() + 60
+while os.waitpid(pid, os.WNOHANG) == (0, 0):  # a hung child is killed, not left behind
+    if time.monotonic() > deadline:
+        os.kill(pid, 9)
+        sys.exit("the forked child hung")
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="os.fork: POSIX only")
+def test_a_fork_while_a_window_is_packed_ahead_packs_it_again_in_the_child(tmp_path):
+    # the child has none of the parent's threads: the window they were packing (a pending
+    # future, the plan's lock) and the jobs queued for them were the parent's; the child packs
+    # them itself and gives the parent's batches (it used to wait forever for that window)
+    import subprocess
+    lengths = np.random.default_rng(3).integers(1, 40, 40_000)
+    path = write_positional_store(tmp_path / "s", lengths)
+    script = tmp_path / "fork.py"
+    script.write_text(FORK_SCRIPT)
+    r = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = dict(line.split() for line in r.stdout.splitlines())
+    assert got["child"] == got["parent"]

@@ -400,8 +400,13 @@ class BackgroundJobs:
         if thread is not None and thread is not threading.current_thread() and timeout > 0:
             thread.join(timeout)
 
+    def forked(self) -> None:
+        """In a forked child: drop the parent's thread and queue (jobs queued then never run)."""
+        self._guard, self._jobs, self._thread = threading.Lock(), queue.Queue(), None
+
 
 _LIVE_JOBS: "weakref.WeakSet[BackgroundJobs]" = weakref.WeakSet()
+os.register_at_fork(after_in_child=lambda: [jobs.forked() for jobs in list(_LIVE_JOBS)])
 
 
 def stop_background_jobs(timeout: float = 0.1) -> None:

@@ -15,7 +15,7 @@ index array per token; a numpy path builds ~6 temporary arrays the size of the b
 from cpython.buffer cimport PyBUF_ANY_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release, PyObject_GetBuffer
 from libc.stdint cimport uint8_t, uint16_t, int32_t, uint32_t, int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc, qsort
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 __all__ = ["fill_metadata_rows", "fill_packed", "shards_of"]
 
@@ -53,7 +53,16 @@ cdef inline Py_ssize_t upper(const int64_t[::1] a, int64_t x) noexcept nogil:
 cdef inline void copy_run(const tok_t* src, out_t* inp, out_t* tgt, Py_ssize_t at, Py_ssize_t n,
                           Py_ssize_t L) noexcept nogil:
     """Row tokens [at, at + n) from ``src`` into inputs (columns < L) and targets (shifted)."""
-    cdef Py_ssize_t k, e = at + n if at + n < L else L
+    cdef Py_ssize_t k, e
+    cdef out_t v
+    if at + n <= L and at > 0:  # the usual segment, inside the row: one pass writes both
+        tgt = tgt - 1
+        for k in range(n):
+            v = <out_t>src[k]
+            inp[at + k] = v
+            tgt[at + k] = v
+        return
+    e = at + n if at + n < L else L
     for k in range(at, e):
         inp[k] = <out_t>src[k - at]
     cdef Py_ssize_t b = at - 1 if at > 0 else 0
@@ -124,6 +133,39 @@ cdef int rows_of(const tok_t* kind, const int64_t[::1] row_ptr, const int64_t[::
     return 0
 
 
+cdef extern from "wchar.h":
+    ctypedef int wchar_t
+    wchar_t* wmemset(wchar_t* s, wchar_t c, size_t n) nogil
+
+# libc's memcpy and wmemset pick the machine's widest stores at run time (this module is built
+# for the baseline instruction set): a segment's positions are copied from IOTA, its id set by
+# wmemset where wchar_t is 32 bits. Per short segment that is what the loops' time went to.
+cdef enum:
+    IOTA_N = 4096
+cdef int32_t IOTA[IOTA_N]
+cdef Py_ssize_t _i
+for _i in range(IOTA_N):
+    IOTA[_i] = <int32_t>_i
+
+
+cdef inline void fill_ids(int32_t* to, int32_t value, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t c
+    if sizeof(wchar_t) == sizeof(int32_t):
+        wmemset(<wchar_t*>to, <wchar_t>value, n)
+    else:
+        for c in range(n):
+            to[c] = value
+
+
+cdef inline void fill_positions(int32_t* to, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t c
+    if n <= IOTA_N:
+        memcpy(to, IOTA, n * sizeof(int32_t))
+    else:
+        for c in range(n):
+            to[c] = <int32_t>c
+
+
 cdef void metadata(const int64_t[::1] row_ptr, const int64_t[::1] seg_len,
                    const int64_t[::1] ids, const int64_t[::1] dest, int32_t[:, ::1] sid,
                    int32_t[:, ::1] pos, uint8_t[:, ::1] mask) noexcept nogil:
@@ -143,11 +185,9 @@ cdef void metadata(const int64_t[::1] row_ptr, const int64_t[::1] seg_len,
         for j in range(first, row_ptr[ids[i] + 1]):
             n = seg_len[j]
             e = at + n if at + n < L else L
-            for c in range(at, e):
-                sp[c] = <int32_t>(j - first + 1)
-            for c in range(at, e):
-                pp[c] = <int32_t>(c - at)
             if e > at:
+                fill_ids(&sp[at], <int32_t>(j - first + 1), e - at)
+                fill_positions(&pp[at], e - at)
                 memset(&mp[at], 1, e - at)
             if n > 0 and at + n - 1 < L:
                 mp[at + n - 1] = 0  # a segment's last token has no target in it

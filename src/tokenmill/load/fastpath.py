@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - depends on the install
     fastfill = fastpack = None
 
 __all__ = ["ENABLED", "best_fit", "metadata_rows", "open_fit", "pack_window", "packed_rows",
-           "permute", "status"]
+           "permute", "status", "window_ids"]
 
 META = ("segment_ids", "positions", "loss_mask")
 ONE_SHARD = np.zeros(1, np.int64)  # the mapped shards of a one-shard store: shard 0
@@ -38,7 +38,7 @@ GROUP = 16
 # what this version calls: a build from older .pyx files (an editable install updated without a
 # rebuild) lacks some, and is left out rather than failing a Loader with an AttributeError
 CALLS = {fastfill: ("shards_of", "fill_packed", "fill_metadata_rows"),
-         fastpack: ("best_fit", "open_fit", "pack_window", "permute", "work_size")}
+         fastpack: ("best_fit", "open_fit", "pack_window", "permute", "window_ids", "work_size")}
 STALE = [] if fastfill is None else \
     [f"{m.__name__.rsplit('.', 1)[-1]}.{f}" for m, fs in CALLS.items() for f in fs
      if not hasattr(m, f)]
@@ -81,14 +81,26 @@ def permute(x: np.ndarray, n: int, keys: np.ndarray, h: int) -> np.ndarray | Non
                             np.ascontiguousarray(keys, np.uint64), h)
 
 
+def window_ids(bounds: np.ndarray, shift: np.ndarray, xs: list[int], run: int,
+               num_docs: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The document ids of raw windows ``xs`` (each stratum's run (shift + x) mod M of ``run``
+    documents), concatenated, and where each window's start (``fastpack.window_ids``, the GIL
+    released); None when the compiled module is off."""
+    if not ENABLED:
+        return None
+    return fastpack.window_ids(bounds, shift, xs, run, num_docs)
+
+
 def pack_window(lengths: np.ndarray, starts: np.ndarray, docs: np.ndarray, seq_len: int,
-                rows: int, max_segments: int | None = None, ordered: bool = False
-                ) -> tuple | None:
+                rows: int, max_segments: int | None = None, ordered: bool = False,
+                order=None) -> tuple | None:
     """A window's documents packed into exactly ``rows`` rows, as ``packplan.PackedPlan.pack``
     packs them (pieces, best fit decreasing or the open fit in order, rows split or squeezed to
     the allotment) in one compiled pass with the GIL released: (row_ptr, seg_start, seg_len,
-    seg_doc, documents cut); None when it is off, under a cap (the fair fill is not compiled) or
-    the rows left have no room for a squeezed window's segments (cut as a stream in Python)."""
+    seg_doc, documents cut, documents longer than a row, one-token tails dropped, the rows'
+    order: ``order(np.arange(rows))`` for a ``sampler.Permutation`` ``order``, else None); None
+    when it is off, under a cap (the fair fill is not compiled) or the rows left have no room
+    for a squeezed window's segments (cut as a stream in Python)."""
     if not ENABLED or max_segments is not None:
         return None
     need = fastpack.work_size(lengths, seq_len, rows)
@@ -96,8 +108,10 @@ def pack_window(lengths: np.ndarray, starts: np.ndarray, docs: np.ndarray, seq_l
         work = _SPARE.pop() if _SPARE else None
     if work is None or len(work) < need:  # a quarter more: the next windows' needs vary
         work = np.empty(need + need // 4, np.int64)
+    keys = None if order is None else np.array(order.keys, np.uint64)
     try:
-        return fastpack.pack_window(lengths, starts, docs, seq_len, rows, work, ordered)
+        return fastpack.pack_window(lengths, starts, docs, seq_len, rows, work, ordered, keys,
+                                    0 if order is None else order.half_bits)
     finally:
         with _LOCK:  # one kept (two windows packed at once, rare, make a second for a while)
             if not _SPARE and work.nbytes <= KEEP_WORK:
@@ -121,15 +135,17 @@ def packed_rows(layout, ids: np.ndarray, dest: slice | np.ndarray, out: Mapping[
     if meta is None:
         return False
     ids = np.ascontiguousarray(ids, dtype=np.int64)
-    if len(bounds) == 2:  # one shard: the usual single-file or streamed store
-        mapped = ONE_SHARD
-    else:
-        try:
-            mapped = fastfill.shards_of(layout.row_ptr, layout.seg_start, ids, bounds)
-        except IndexError:
-            return False  # a row id out of range: the caller's checks name it
-        mapped = np.array(mapped, np.int64)
-    rows, partial = as_rows(dest), len(mapped) > GROUP
+    rows = as_rows(dest)
+    try:
+        if len(bounds) == 2:  # one shard, the usual single-file or streamed store: one call
+            return fastfill.fill_packed(layout.row_ptr, layout.seg_start, layout.seg_len, ids,
+                                        rows, bounds, ONE_SHARD, [shard(0)], out["inputs"],
+                                        out["targets"], *meta)
+        mapped = np.array(fastfill.shards_of(layout.row_ptr, layout.seg_start, ids, bounds),
+                          np.int64)
+    except (IndexError, ValueError, TypeError, BufferError):  # a row id out of range (the
+        return False  # caller's checks name it), or dtypes or strides it does not take
+    partial = len(mapped) > GROUP
     try:
         for at in range(0, len(mapped), GROUP):  # a few shards held at once: descriptors bounded
             group = mapped[at:at + GROUP]

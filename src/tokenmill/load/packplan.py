@@ -28,7 +28,6 @@ so a row's documents lie back to back in the store.
 
 from __future__ import annotations
 
-import atexit
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -36,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenmill.load import fastpath, pack
+from tokenmill.load import fastpath, pack, packahead
 from tokenmill.base.arrays import counting, distinct, is_run, ranges, stable_order
 from tokenmill.base.errors import ConfigError
 from tokenmill.load.packfit import fit_rows
@@ -85,6 +84,7 @@ class PackedPlan:
         self._lock = threading.RLock()
         self._pending: dict[tuple[int, int], Future] = {}
         self._ahead_busy = False
+        packahead.track(self)
         self.counts = {"windows_packed": 0, "documents_packed": 0, "documents_cut": 0,
                        "num_truncated": 0, "most_segments": 0}
         ordered = ordered_packing(d, t, seq_len, max_segments)
@@ -251,10 +251,14 @@ class PackedPlan:
     def _spans(self, epoch: int, xs: list[int]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """(ids, first tokens, lengths) of the documents of raw window indices ``xs``, read in
         one pass over the shards' indexes (each shard's index mapped once, however many)."""
-        ids = [self._ids(epoch, x) for x in xs]
-        starts, lengths = self.store.doc_spans(np.concatenate(ids))
-        cut = np.cumsum([len(i) for i in ids])[:-1]
-        return list(zip(ids, np.split(starts, cut), np.split(lengths, cut)))
+        fast = fastpath.window_ids(self.bounds, self._shift(epoch), xs, self.run, self.num_docs)
+        if fast is None:
+            ids = np.concatenate(parts := [self._ids(epoch, x) for x in xs])
+            cut = np.cumsum([len(i) for i in parts])
+        else:  # one compiled pass: a numpy call on these arrays hands the GIL about
+            ids, cut = fast[0], fast[1][1:]
+        starts, lengths = self.store.doc_spans(ids)
+        return [(ids[a:b], starts[a:b], lengths[a:b]) for a, b in zip([0, *cut[:-1]], cut)]
 
     def _raw(self, epoch: int, x: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``_spans`` of one raw window index, read with the block of windows around it (the
@@ -304,19 +308,21 @@ class PackedPlan:
     def _packed_window(self, epoch: int, w: int) -> WindowRows:
         end = self._end(w)
         parts = [self._raw(epoch, x) for x in range(w, end)]
-        docs, starts, lengths = (np.concatenate(a) for a in zip(*parts))
+        # numpy calls on a window's arrays each let the training loop's thread take the GIL
+        # and wait to hand it back: as few as can be (no copy of a window of one part)
+        docs, starts, lengths = parts[0] if len(parts) == 1 else \
+            (np.concatenate(a) for a in zip(*parts))
         p0 = self.prefix_tokens(epoch, w)
         if end < self.windows:
             with self._lock:
                 self._remember((epoch, end), p0 + int(lengths.sum()))
         first, last = self.allotted(epoch, w, p0), self.allotted(epoch, end)
+        shuffle = epoch_permutation(max(1, last - first), seed=self.seed, epoch=epoch,
+                                    salt=int(hash_ints(_TAG, self.salt, w)))
         try:
-            layout, num_cut = self.pack(docs, starts, lengths, last - first)
+            layout, num_cut, order = self.pack(docs, starts, lengths, last - first, shuffle)
         except ConfigError as e:  # only under max_segments: say where
             raise ConfigError(f"{self.store.path}: window {w} of epoch {epoch}: {e}") from None
-        order = epoch_permutation(last - first, seed=self.seed, epoch=epoch,
-                                  salt=int(hash_ints(_TAG, self.salt, w)))(
-            np.arange(last - first))  # one Feistel pass a window, not one a batch
         with self._lock:
             if self._first_time(epoch, w):  # counted once, however often it is packed
                 for name, n in (("windows_packed", 1), ("documents_packed", len(docs)),
@@ -339,44 +345,49 @@ class PackedPlan:
         return first
 
     def _ahead(self, epoch: int, w: int) -> None:
-        """Pack the window after w in a background thread, so that a loader reaching it finds
-        it packed (a window is ~4,096 rows: packing it inline stalls one batch in ~500)."""
+        """Pack the window after w on the pack-ahead thread (``packahead``), so that a loader
+        reaching it finds it packed (a window is ~4,096 rows: packing it inline stalls one
+        batch in ~500)."""
         nxt = (epoch, w + 1) if w + 1 < self.num_windows() else (epoch + 1, 0)
         with self._lock:
             if nxt in self._cache or nxt in self._pending or self._ahead_busy:
                 return
             self._ahead_busy = True
+        packahead.submit(lambda: self._pack_ahead(nxt))
 
-        def run():
-            try:
-                self.window_rows(*nxt)
-            except BaseException:  # noqa: BLE001 - the loader meets it itself, in its thread
-                pass
-            finally:
-                self._ahead_busy = False
-                AHEAD_THREADS.discard(threading.current_thread())
-        thread = threading.Thread(target=run, name="tokenmill-pack-ahead", daemon=True)
-        AHEAD_THREADS.add(thread)
-        thread.start()
+    def _pack_ahead(self, key: tuple[int, int]) -> None:
+        try:
+            self.window_rows(*key)
+        except BaseException:  # noqa: BLE001 - the loader meets it itself, in its thread
+            pass
+        finally:
+            self._ahead_busy = False
 
-    def pack(self, docs: np.ndarray, starts: np.ndarray, lengths: np.ndarray, rows: int
-             ) -> tuple[pack.PackedLayout, int]:
-        """Documents (ids, global first tokens, lengths) packed into exactly ``rows`` rows."""
-        truncated, dropped = pack.truncation(lengths, self.seq_len)
+    def after_fork(self) -> None:
+        """In a forked child (``packahead``): forget the windows the parent's other threads were
+        packing (pending, or holding the lock): packed again here when asked for."""
+        self._lock, self._pending, self._ahead_busy = threading.RLock(), {}, False
+
+    def pack(self, docs: np.ndarray, starts: np.ndarray, lengths: np.ndarray, rows: int,
+             shuffle) -> tuple[pack.PackedLayout, int, np.ndarray]:
+        """Documents (ids, global first tokens, lengths) packed into exactly ``rows`` rows, the
+        documents cut, and the rows' order: ``shuffle`` (a Permutation) of range(rows)."""
         fast = fastpath.pack_window(lengths, starts, docs, self.seq_len, rows, self.cap,
-                                    ordered=self.ordered)
+                                    ordered=self.ordered, order=shuffle)
         if fast is not None:  # compiled, the GIL released: the same arrays as below
-            row_ptr, seg_start, seg_len, seg_doc, num_cut = fast
+            row_ptr, seg_start, seg_len, seg_doc, num_cut, truncated, dropped, order = fast
         else:
+            truncated, dropped = pack.truncation(lengths, self.seq_len)
             doc, off, length = pack.pieces(lengths, self.seq_len)
             item, seg_off, seg_len, row_ptr, num_cut = fit_rows(length, self.capacity, rows,
                                                                 self.cap, self.ordered)
             seg_start, seg_doc = starts[doc[item]] + off[item] + seg_off, docs[doc[item]]
+            order = shuffle(np.arange(rows))  # one Feistel pass a window, not one a batch
         layout = pack.PackedLayout(
             seq_len=self.seq_len, row_ptr=row_ptr, seg_start=seg_start, seg_len=seg_len,
             seg_doc=seg_doc, num_truncated=truncated, num_dropped_tokens=dropped,
             max_segments=self.cap)
-        return layout, num_cut
+        return layout, num_cut, order
 
     def calibrate(self) -> int:
         """β, in tokens: at least L (then a window is allotted more than (T - 1) / L rows, which
@@ -462,18 +473,6 @@ class PackedPlan:
                 "documents_per_window": self.strata * self.run, "documents_per_run": self.run,
                 "windows": self.num_windows(), "beta_rows": self.beta / self.seq_len,
                 "padding_at_most": 1 - used / (self.num_rows * self.capacity), **counts}
-
-
-AHEAD_THREADS: set[threading.Thread] = set()  # pack-ahead threads under way
-
-
-@atexit.register
-def _finish_packing() -> None:
-    """Let pack-ahead threads end before the interpreter does: one still inside numpy's sorts
-    (C++, the GIL released) when Python finalizes is torn down by pthread_exit through C++
-    frames, and the process aborts ("terminate called without an active exception")."""
-    for thread in list(AHEAD_THREADS):
-        thread.join(timeout=60)
 
 
 def epoch_layout(plan: PackedPlan, epoch: int) -> pack.PackedLayout:

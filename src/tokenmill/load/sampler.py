@@ -200,6 +200,11 @@ class Permutation:
     n: int
     keys: tuple[int, ...] = field(repr=False)  # ROUNDS 64-bit round keys
 
+    @property
+    def half_bits(self) -> int:
+        """h: the network permutes 2h-bit values (those >= n walked again)."""
+        return _half_bits(self.n)
+
     def __call__(self, indices: np.ndarray) -> np.ndarray:
         i = _check_indices(indices, self.n)
         shape = i.shape

@@ -434,7 +434,7 @@ class TokenStore:
             if not self._offsets_ok[i]:  # whoever mapped it; damaged: raises at every call
                 check_offsets(self._file(i, ".idx"), 0, x.lengths, x.pointers, x.dtype.itemsize)
                 self._offsets_ok[i] = 1
-            return x.pointers[local], x.lengths[local].astype(np.int64)  # pointers: <i8
+            return np.take(x.pointers, local), np.take(x.lengths, local).astype(np.int64)  # 4× x[]
         name = f"{self._base}/{self.manifest['shards'][i]['name']}.idx"
         got = read_idx_entries(name, local, check=self._same_file(i, ".idx"))
         self._check_counts(i, got.dtype, got.num_documents, got.num_tokens)
