@@ -11,6 +11,7 @@ a window packed ahead in a thread no longer stalls the training loop's thread.
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, qsort, realloc
 from libc.string cimport memset
+from cpython.buffer cimport PyBUF_FORMAT
 
 import numpy as np
 
@@ -568,6 +569,42 @@ cdef int squeeze_rows(int64_t* item, int64_t* off, int64_t* seg_len, int64_t* ro
     return status
 
 
+cdef char* FORMAT = b"q"  # int64 (long long)
+
+
+cdef class Owned:
+    """An int64 array malloc'd without the GIL, handed to numpy (``owned``): freed with the last
+    array over it."""
+    cdef int64_t* data
+    cdef Py_ssize_t n
+    cdef Py_ssize_t shape[1]
+    cdef Py_ssize_t strides[1]
+
+    def __dealloc__(self):
+        free(self.data)
+
+    def __getbuffer__(self, Py_buffer* buf, int flags):
+        self.shape[0], self.strides[0] = self.n, sizeof(int64_t)
+        buf.buf, buf.len = self.data, self.n * sizeof(int64_t)
+        buf.obj = self
+        buf.readonly, buf.itemsize, buf.ndim = 0, sizeof(int64_t), 1
+        buf.format = NULL
+        if flags & PyBUF_FORMAT:
+            buf.format = FORMAT
+        buf.shape, buf.strides = self.shape, self.strides
+        buf.suboffsets, buf.internal = NULL, NULL
+
+    def __releasebuffer__(self, Py_buffer* buf):
+        pass
+
+
+cdef object owned(int64_t* data, Py_ssize_t n):
+    """A numpy int64 array of the ``n`` values at ``data`` (malloc'd: freed with the array)."""
+    cdef Owned o = Owned.__new__(Owned)
+    o.data, o.n = data, n
+    return np.frombuffer(o, dtype=np.int64)
+
+
 WORK_ARRAYS = 14  # int64 arrays a window's work takes, each of its pieces + rows + 1 entries
 
 
@@ -582,9 +619,9 @@ def pack_window(lengths, starts, docs, int64_t seq_len, Py_ssize_t rows, work=No
     the caller between windows: fresh memory costs a page fault per 4 KiB, most of the time on
     some machines). ``ordered``: pieces placed by ``pack._open_fit`` in their order instead of
     best fit decreasing. ``keys`` (uint64 round keys) and ``h``: order is ``permute`` of
-    range(rows) under them (else None). The GIL is taken once between the two passes, to make
-    the outputs at their exact size: a thread that packs ahead hands the GIL to the training
-    loop's thread (and waits for it back) as seldom as it can."""
+    range(rows) under them (else None). One pass with the GIL released, its outputs made in it at
+    their exact size (``owned``): each time a thread that packs ahead takes the GIL back, the
+    training loop's thread may wait for it."""
     cdef const int64_t[::1] lens = np.ascontiguousarray(lengths, dtype=np.int64)
     cdef const int64_t[::1] first = np.ascontiguousarray(starts, dtype=np.int64)
     cdef const int64_t[::1] ids = np.ascontiguousarray(docs, dtype=np.int64)
@@ -606,6 +643,11 @@ def pack_window(lengths, starts, docs, int64_t seq_len, Py_ssize_t rows, work=No
     cdef Work w
     cdef int status
     cdef int64_t num_cut = 0, it, truncated = 0, dropped = 0, x, v, n = rows
+    cdef int64_t* seg_start = NULL
+    cdef int64_t* seg_len = NULL
+    cdef int64_t* seg_doc = NULL
+    cdef int64_t* o = NULL
+    cdef bint shuffled = keys is not None
     w.pdoc, w.poff, w.plen = at, at + room, at + 2 * room
     w.order, w.placed, w.perm = at + 3 * room, at + 4 * room, at + 5 * room
     w.item, w.off, w.seg_len, w.row = at + 6 * room, at + 7 * room, at + 8 * room, at + 9 * room
@@ -617,44 +659,49 @@ def pack_window(lengths, starts, docs, int64_t seq_len, Py_ssize_t rows, work=No
         status = window(lens, seq_len, rows, total, ordered, &w, &size)
         if status == 0:
             status = by_key(w.row, size, rows, w.perm)  # by row, stable (split rows too)
-    if status == -1:
-        raise MemoryError("packing a window: out of memory")
-    if status != 0:
-        return None
-    out_start, out_len, out_doc = (np.empty(size, dtype=np.int64) for _ in range(3))
-    order = np.empty(rows, dtype=np.int64) if keys is not None else None
-    cdef int64_t[::1] seg_start = out_start
-    cdef int64_t[::1] seg_len = out_len
-    cdef int64_t[::1] seg_doc = out_doc
-    cdef int64_t[::1] o
-    if order is not None:
-        o = order
-    with nogil:
-        for i in range(size):
-            row_ptr[w.row[i] + 1] += 1
-        for i in range(rows):
-            row_ptr[i + 1] += row_ptr[i]
-        for i in range(size):
-            j = w.perm[i]
-            it = w.item[j]
-            seg_start[i] = first[w.pdoc[it]] + w.poff[it] + w.off[j]
-            seg_len[i] = w.seg_len[j]
-            seg_doc[i] = ids[w.pdoc[it]]
-        for i in range(total):
-            num_cut += w.cut[i]
-        for i in range(lens.shape[0]):  # pack.truncation
-            x = lens[i]
-            if x > seq_len + 1:
-                truncated += 1
-                dropped += (x - 1) % seq_len == 0
-        if keys is not None:  # permute(range(rows))
+        if status == 0:
+            seg_start = <int64_t*>malloc(size * sizeof(int64_t) + 8)
+            seg_len = <int64_t*>malloc(size * sizeof(int64_t) + 8)
+            seg_doc = <int64_t*>malloc(size * sizeof(int64_t) + 8)
+            if shuffled:
+                o = <int64_t*>malloc(rows * sizeof(int64_t) + 8)
+            if seg_start == NULL or seg_len == NULL or seg_doc == NULL or \
+                    (shuffled and o == NULL):
+                status = -1
+        if status == 0:
+            for i in range(size):
+                row_ptr[w.row[i] + 1] += 1
             for i in range(rows):
-                v = <int64_t>feistel(<uint64_t>i, &rk[0], rk.shape[0], h)
-                while v >= n:
-                    v = <int64_t>feistel(<uint64_t>v, &rk[0], rk.shape[0], h)
-                o[i] = v
-    return (out_ptr, out_start, out_len, out_doc, int(num_cut), int(truncated), int(dropped),
-            order)
+                row_ptr[i + 1] += row_ptr[i]
+            for i in range(size):
+                j = w.perm[i]
+                it = w.item[j]
+                seg_start[i] = first[w.pdoc[it]] + w.poff[it] + w.off[j]
+                seg_len[i] = w.seg_len[j]
+                seg_doc[i] = ids[w.pdoc[it]]
+            for i in range(total):
+                num_cut += w.cut[i]
+            for i in range(lens.shape[0]):  # pack.truncation
+                x = lens[i]
+                if x > seq_len + 1:
+                    truncated += 1
+                    dropped += (x - 1) % seq_len == 0
+            if shuffled:  # permute(range(rows))
+                for i in range(rows):
+                    v = <int64_t>feistel(<uint64_t>i, &rk[0], rk.shape[0], h)
+                    while v >= n:
+                        v = <int64_t>feistel(<uint64_t>v, &rk[0], rk.shape[0], h)
+                    o[i] = v
+    if status != 0:
+        free(seg_start)
+        free(seg_len)
+        free(seg_doc)
+        free(o)
+        if status == -1:
+            raise MemoryError("packing a window: out of memory")
+        return None
+    return (out_ptr, owned(seg_start, size), owned(seg_len, size), owned(seg_doc, size),
+            int(num_cut), int(truncated), int(dropped), None if o == NULL else owned(o, rows))
 
 
 def work_size(lengths, int64_t seq_len, Py_ssize_t rows) -> int:

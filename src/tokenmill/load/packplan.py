@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
+from contextlib import suppress
 from dataclasses import dataclass
 
 import numpy as np
@@ -180,12 +181,12 @@ class PackedPlan:
                          if (epoch, x) in self._prefix), None) if start == w else None
         if prev is not None:
             spans = [self._raw(epoch, x) for x in range(prev, w)]
-            total = self.prefix_tokens(epoch, prev) + sum(int(n.sum()) for _, _, n in spans)
+            total = self.prefix_tokens(epoch, prev) + sum(t for *_, t in spans)
         elif start == w:
             total = self._probe(epoch, w)
         else:
             spans = [self._raw(epoch, x) for x in range(start, w)]
-            total = self.prefix_tokens(epoch, start) + sum(int(n.sum()) for _, _, n in spans)
+            total = self.prefix_tokens(epoch, start) + sum(t for *_, t in spans)
         with self._lock:
             self._remember(key, total)
         return total
@@ -248,9 +249,10 @@ class PackedPlan:
         first = units * self.run
         return ranges(first, np.minimum(self.run, self.num_docs - first))
 
-    def _spans(self, epoch: int, xs: list[int]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """(ids, first tokens, lengths) of the documents of raw window indices ``xs``, read in
-        one pass over the shards' indexes (each shard's index mapped once, however many)."""
+    def _spans(self, epoch: int, xs: list[int]) -> list[tuple]:
+        """(ids, first tokens, lengths, tokens) of the documents of raw window indices ``xs``,
+        read in one pass over the shards' indexes (each shard's index mapped once, however
+        many); the windows' token counts from one running sum, not a numpy call a window."""
         fast = fastpath.window_ids(self.bounds, self._shift(epoch), xs, self.run, self.num_docs)
         if fast is None:
             ids = np.concatenate(parts := [self._ids(epoch, x) for x in xs])
@@ -258,9 +260,12 @@ class PackedPlan:
         else:  # one compiled pass: a numpy call on these arrays hands the GIL about
             ids, cut = fast[0], fast[1][1:]
         starts, lengths = self.store.doc_spans(ids)
-        return [(ids[a:b], starts[a:b], lengths[a:b]) for a, b in zip([0, *cut[:-1]], cut)]
+        csum = np.cumsum(lengths)
+        upto = [0, *(int(csum[b - 1]) if b else 0 for b in cut)]  # tokens before each window
+        return [(ids[a:b], starts[a:b], lengths[a:b], upto[i + 1] - upto[i])
+                for i, (a, b) in enumerate(zip([0, *cut[:-1]], cut))]
 
-    def _raw(self, epoch: int, x: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _raw(self, epoch: int, x: int) -> tuple:
         """``_spans`` of one raw window index, read with the block of windows around it (the
         next windows' documents are each stratum's next ones: one pass serves many windows)."""
         b = x // self.block
@@ -310,12 +315,12 @@ class PackedPlan:
         parts = [self._raw(epoch, x) for x in range(w, end)]
         # numpy calls on a window's arrays each let the training loop's thread take the GIL
         # and wait to hand it back: as few as can be (no copy of a window of one part)
-        docs, starts, lengths = parts[0] if len(parts) == 1 else \
-            (np.concatenate(a) for a in zip(*parts))
+        docs, starts, lengths = parts[0][:3] if len(parts) == 1 else \
+            (np.concatenate(a) for a in list(zip(*parts))[:3])
         p0 = self.prefix_tokens(epoch, w)
         if end < self.windows:
             with self._lock:
-                self._remember((epoch, end), p0 + int(lengths.sum()))
+                self._remember((epoch, end), p0 + sum(part[3] for part in parts))
         first, last = self.allotted(epoch, w, p0), self.allotted(epoch, end)
         shuffle = epoch_permutation(max(1, last - first), seed=self.seed, epoch=epoch,
                                     salt=int(hash_ints(_TAG, self.salt, w)))
@@ -356,12 +361,9 @@ class PackedPlan:
         packahead.submit(lambda: self._pack_ahead(nxt))
 
     def _pack_ahead(self, key: tuple[int, int]) -> None:
-        try:
+        with suppress(BaseException):  # the loader meets it itself, in its thread
             self.window_rows(*key)
-        except BaseException:  # noqa: BLE001 - the loader meets it itself, in its thread
-            pass
-        finally:
-            self._ahead_busy = False
+        self._ahead_busy = False
 
     def after_fork(self) -> None:
         """In a forked child (``packahead``): forget the windows the parent's other threads were
