@@ -549,6 +549,14 @@ def test_index_entries_read_in_spans_equal_the_whole_index(tmp_path):
         read_idx_entries(idx, np.arange(2400, 2600, 7))
     with pytest.raises(StoreError, match="offsets and lengths disagree"):
         read_idx_entries(idx, np.arange(0, 5000, 2))  # most of the file: read whole
+    # among many spans (checked all at once) the message names the damaged one's documents
+    with pytest.raises(StoreError, match=r"documents 2,500\.\.2,500: offsets and lengths"):
+        read_idx_entries(idx, np.array([10, 1000, 2500, 4000]))
+    assert read_idx_entries(idx, np.array([10, 1000, 4000])).num_documents == 5000  # elsewhere
+    struct.pack_into("<q", raw, IDX_HEADER.size + 4 * 5000, 2)  # the first document's offset
+    idx.write_bytes(bytes(raw))
+    with pytest.raises(StoreError, match=r"documents 0\.\.0: offsets and lengths"):
+        read_idx_entries(idx, np.array([0, 3000]))
 
 
 @pytest.mark.parametrize("shards", [1, 3])

@@ -65,6 +65,7 @@ from typing import Any, Mapping, NamedTuple
 import numpy as np
 import xxhash
 
+from tokenmill.base.arrays import exclusive_cumsum, ranges
 from tokenmill.base.errors import StoreError
 from tokenmill.base.io import (StatCheck, is_url, json_bytes, list_sizes, map_file, read_bytes,
                                redact)
@@ -109,9 +110,7 @@ def shard_name(index: int) -> str:
 
 def idx_bytes(lengths: np.ndarray, dtype: np.dtype) -> bytes:
     """The ``.idx`` file for documents of the given token lengths (one sequence each)."""
-    dtype = np.dtype(dtype)
-    n = len(lengths)
-    lengths = np.asarray(lengths, dtype=np.int64)
+    dtype, n, lengths = np.dtype(dtype), len(lengths), np.asarray(lengths, dtype=np.int64)
     if n and (lengths.min() < 0 or lengths.max() > np.iinfo(np.int32).max):
         raise StoreError(f"document length out of int32 range: {lengths.max()}")
     pointers = np.zeros(n, dtype=np.int64)
@@ -174,44 +173,51 @@ def read_idx_entries(path: str | os.PathLike, local: np.ndarray, *,
     """Documents ``local`` of an ``.idx`` file (byte offsets, lengths), with the file's dtype,
     document count and tokens (where its last document ends), read by ``pread`` of spans of ids
     (gaps of up to IDX_GAP entries read through: one read, not one per run): no map and no
-    descriptor kept — for passes over thousands of shards' indexes, a few entries each. The caller compares the counts with what it expects: ids past
-    the file's documents are read as its last one."""
-    path = Path(path)
-    local = np.asarray(local, np.int64)
+    descriptor kept — for passes over thousands of shards' indexes, a few entries each. The
+    caller compares the counts with what it expects: ids past the file's documents are read as
+    its last one."""
+    path, local = Path(path), np.asarray(local, np.int64)
     with open(path, "rb") as f:
         n, _, code = _read_idx_header(path, f, check)
         dtype = np.dtype(DTYPE_CODES[code])
         if n == 0:  # no documents: nothing to read, every id past the end
-            return IdxEntries(dtype, 0, 0, np.zeros(len(local), np.int64),
-                              np.zeros(len(local), np.int64))
+            return IdxEntries(dtype, 0, 0, *np.zeros((2, len(local)), np.int64))
         ids = np.clip(local, 0, n - 1)  # past the end: the counts show it
-        if 4 * len(ids) >= n:  # a quarter of the file or more: read it whole, no sort
-            lengths, pointers = _idx_span(path, f.fileno(), n, dtype, 0, n)
-            tokens = int(pointers[-1]) // dtype.itemsize + int(lengths[-1])
-            return IdxEntries(dtype, n, tokens, pointers[ids], lengths[ids])
-        want = np.sort(np.append(ids, n - 1))  # and where the last document ends: the tokens
-        want = want[np.append(True, want[1:] != want[:-1])]  # each id once, ascending
-        lengths, pointers = np.empty(len(want), np.int64), np.empty(len(want), np.int64)
-        cuts = (np.flatnonzero(np.diff(want) > IDX_GAP) + 1).tolist()
-        for a, b in zip([0, *cuts], [*cuts, len(want)]):  # spans of ids: one pread each array
-            first = int(want[a])
-            lens, ptrs = _idx_span(path, f.fileno(), n, dtype, first, int(want[b - 1]) - first + 1)
-            lengths[a:b], pointers[a:b] = lens[want[a:b] - first], ptrs[want[a:b] - first]
+        # a quarter of the file or more read whole; else each id once and the last (its end)
+        want = np.arange(n) if 4 * len(ids) >= n else np.sort(np.append(ids, n - 1))
+        want = want[np.append(True, want[1:] != want[:-1])]  # (np.unique imports numpy.ma)
+        heads = np.append(0, np.flatnonzero(np.diff(want) > IDX_GAP) + 1)
+        firsts, span = want[heads], np.repeat(np.arange(len(heads)), np.diff([*heads, len(want)]))
+        lens, ptrs, at, pat = _idx_spans(path, f.fileno(), n, dtype, firsts,
+                                         want[np.append(heads[1:], len(want)) - 1] - firsts + 1)
+        off = want - firsts[span]
+        lengths, pointers = lens[at[span] + off], ptrs[pat[span] + off]
     tokens = int(pointers[-1]) // dtype.itemsize + int(lengths[-1])
-    back = np.searchsorted(want, ids)
+    back = ids if len(want) == n else np.searchsorted(want, ids)
     return IdxEntries(dtype, n, tokens, pointers[back], lengths[back])
 
 
-def _idx_span(path: Path, fd: int, n: int, dtype: np.dtype, first: int, k: int
-              ) -> tuple[np.ndarray, np.ndarray]:
-    """Lengths and byte offsets of documents [first, first + k) of an ``.idx`` of ``n``
-    documents, checked against each other (and the next document's offset: where it ends)."""
-    lengths = np.frombuffer(os.pread(fd, 4 * k, IDX_HEADER.size + 4 * first), "<i4").astype(
-        np.int64)  # int64 before scaling: a 2^31-token document's bytes overflow an int32
-    more = min(k + 1, n - first)
-    ptrs = np.frombuffer(os.pread(fd, 8 * more, IDX_HEADER.size + 4 * n + 8 * first), "<i8")
-    check_offsets(path, first, lengths, ptrs, dtype.itemsize)
-    return lengths, ptrs[:k]
+def _idx_spans(path: Path, fd: int, n: int, dtype: np.dtype, firsts: np.ndarray,
+               counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Lengths and byte offsets (one past each span's end where the file has one) of documents
+    [first, first + count) of an ``.idx`` of ``n`` documents, concatenated, and where each span
+    starts in them: a pread a span and array, all checked at once (tens of thousands of spans)."""
+    more = np.minimum(counts + 1, n - firsts)
+    reads = [(4 * k, 4 * a) for a, k in zip(firsts.tolist(), counts.tolist())] + \
+        [(8 * k, 4 * n + 8 * a) for a, k in zip(firsts.tolist(), more.tolist())]
+    raw = [os.pread(fd, size, IDX_HEADER.size + at) for size, at in reads]
+    lens = np.frombuffer(b"".join(raw[:len(firsts)]), "<i4").astype(np.int64)  # int64 before
+    ptrs = np.frombuffer(b"".join(raw[len(firsts):]), "<i8")  # scaling: 2^31 tokens' bytes
+    at, pat = exclusive_cumsum(counts), exclusive_cumsum(more)
+    i, j = ranges(pat, more - 1), ranges(at, more - 1)  # each offset's step against its length
+    if len(lens) != counts.sum() or len(ptrs) != more.sum():  # cut short since its header read
+        raise StoreError(f"{path}: shorter than its header says; run 'tokenmill verify'")
+    bad = np.flatnonzero(ptrs[i + 1] - ptrs[i] != lens[j] * dtype.itemsize)
+    if bad.size or (firsts[0] == 0 and ptrs[0] != 0):
+        s = int(np.searchsorted(pat, i[bad[0]], side="right")) - 1 if bad.size else 0
+        check_offsets(path, int(firsts[s]), lens[at[s]:at[s] + counts[s]],
+                      ptrs[pat[s]:pat[s] + more[s]], dtype.itemsize)  # raises, naming them
+    return lens, ptrs, at, pat
 
 
 def check_offsets(path, first: int, lengths: np.ndarray, ptrs: np.ndarray, itemsize: int) -> None:
