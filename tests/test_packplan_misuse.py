@@ -131,14 +131,18 @@ import hashlib, os, sys, threading, time
 import numpy as np
 from tokenmill import Loader
 from tokenmill.load.packplan import PackedPlan
+from tokenmill.store import TokenStore
 
-packing, real = threading.Event(), PackedPlan.pack
-def slow_pack(self, *args):  # the pack-ahead thread is mid-window when the process forks
-    if threading.current_thread() is not threading.main_thread() and not packing.is_set():
-        packing.set()
+# the pack-ahead thread is inside this (packing a window, or mapping a shard's index under the
+# store's lock for that shard) when the process forks
+owner, name = {"pack": (PackedPlan, "pack"), "index": (TokenStore, "_read_index")}[sys.argv[2]]
+inside, real = threading.Event(), getattr(owner, name)
+def slow(self, *args, **kw):
+    if threading.current_thread().name == "tokenmill-pack-ahead" and not inside.is_set():
+        inside.set()
         time.sleep(1.0)
-    return real(self, *args)
-PackedPlan.pack = slow_pack
+    return real(self, *args, **kw)
+setattr(owner, name, slow)
 
 def digest(loader, steps):
     h = hashlib.sha256()
@@ -147,11 +151,16 @@ def digest(loader, steps):
             h.update(a.tobytes())
     return h.hexdigest()
 
-ld = Loader(sys.argv[1], seq_len=16, batch_size=8, layout="packed", num_workers=0)
-next(iter(ld))  # window 0 packed here; window 1 handed to the pack-ahead thread
-assert packing.wait(30)
+# max_open 2: a store of many shards maps their indexes again and again, on either thread
+ld = Loader(TokenStore(sys.argv[1], max_open=2), seq_len=16, batch_size=8, layout="packed",
+            num_workers=0)
 plan = ld.plan.sources[0].packed
 steps = 3 * plan.num_rows // 8  # three epochs: every window of each, packed in the child
+k = 0
+while not inside.wait(0.05 if k == 1 else 0):  # window 1 handed to the pack-ahead thread at
+    assert k < steps, "the pack-ahead thread never got there"  # step 0, others later
+    ld.batch_at(k * 8)
+    k += 1
 pid = os.fork()
 if pid == 0:
     print("child", digest(ld, steps), flush=True)
@@ -167,17 +176,19 @@ while os.waitpid(pid, os.WNOHANG) == (0, 0):  # a hung child is killed, not left
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="os.fork: POSIX only")
-def test_a_fork_while_a_window_is_packed_ahead_packs_it_again_in_the_child(tmp_path):
+@pytest.mark.parametrize("inside", ["pack", "index"])
+def test_a_fork_while_a_window_is_packed_ahead_packs_it_again_in_the_child(tmp_path, inside):
     # the child has none of the parent's threads: the window they were packing (a pending
-    # future, the plan's lock) and the jobs queued for them were the parent's; the child packs
-    # them itself and gives the parent's batches (it used to wait forever for that window)
+    # future, the plan's lock), the jobs queued for them and the store locks they held were the
+    # parent's; the child packs them itself and gives the parent's batches (it used to wait
+    # forever for that window, or for a shard's index the parent's thread was mapping)
     import subprocess
-    lengths = np.random.default_rng(3).integers(1, 40, 40_000)
-    path = write_positional_store(tmp_path / "s", lengths)
+    lengths = np.random.default_rng(3).integers(1, 40, 20_000)
+    path = write_positional_store(tmp_path / "s", lengths, shard_tokens=25_000)
     script = tmp_path / "fork.py"
     script.write_text(FORK_SCRIPT)
-    r = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run([sys.executable, str(script), str(path), inside], capture_output=True,
+                       text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     got = dict(line.split() for line in r.stdout.splitlines())
     assert got["child"] == got["parent"]

@@ -32,6 +32,7 @@ import xxhash
 
 from tokenmill.base.errors import (ConfigError, DiskFullError, StoreError,  # noqa: F401 (io.redact is public)
                                    TokenmillError, redact)
+from tokenmill.base.procs import after_fork
 
 CHUNK = 8 << 20  # checksums and copies read 8 MiB at a time
 READ_BUFFER = 1 << 20  # buffered readers of inputs: memory stays bounded whatever the unit size
@@ -349,12 +350,10 @@ class BackgroundJobs:
 
     def __init__(self, name: str = "tokenmill-background"):
         self.name = name
-        self._jobs: queue.Queue[QueuedJob | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
         self._closed = False
-        self._guard = threading.Lock()
         self.cancel = threading.Event()
         _LIVE_JOBS.add(self)
+        after_fork(self)  # its thread, queue and guard: made afresh in a forked child
 
     def submit(self, job: Callable[[threading.Event], Any]) -> Future:
         """Run ``job(cancel_event)`` in the background thread."""
@@ -400,13 +399,13 @@ class BackgroundJobs:
         if thread is not None and thread is not threading.current_thread() and timeout > 0:
             thread.join(timeout)
 
-    def forked(self) -> None:
-        """In a forked child: drop the parent's thread and queue (jobs queued then never run)."""
-        self._guard, self._jobs, self._thread = threading.Lock(), queue.Queue(), None
+    def after_fork(self) -> None:
+        """No thread, no jobs (in a forked child: the parent's queued then never run here)."""
+        self._guard, self._thread = threading.Lock(), None
+        self._jobs: queue.Queue[QueuedJob | None] = queue.Queue()
 
 
 _LIVE_JOBS: "weakref.WeakSet[BackgroundJobs]" = weakref.WeakSet()
-os.register_at_fork(after_in_child=lambda: [jobs.forked() for jobs in list(_LIVE_JOBS)])
 
 
 def stop_background_jobs(timeout: float = 0.1) -> None:

@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Iterator, NoReturn
@@ -415,3 +416,16 @@ def default_max_open() -> int:
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
     return max(32, min(soft // 16, 1024))
+
+
+_FORK_AWARE: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def after_fork(obj) -> None:
+    """``obj.after_fork()`` now and in every forked child of this process: what a thread of the
+    parent held at the fork (a lock, a job under way) is never released in the child."""
+    obj.after_fork()
+    _FORK_AWARE.add(obj)
+
+
+os.register_at_fork(after_in_child=lambda: [obj.after_fork() for obj in list(_FORK_AWARE)])

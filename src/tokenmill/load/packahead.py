@@ -13,21 +13,19 @@ packing is packed again when asked for)::
 from __future__ import annotations
 
 import atexit
-import os
-import weakref
-from typing import Any, Callable
+from typing import Callable
 
 from tokenmill.base.io import BackgroundJobs
+from tokenmill.base.procs import after_fork
 
 __all__ = ["finish", "submit", "track"]
 
 JOBS = BackgroundJobs("tokenmill-pack-ahead")
-_PLANS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def track(plan) -> None:
-    """Call ``plan.after_fork()`` in a forked child of this process."""
-    _PLANS.add(plan)
+    """``plan.after_fork()`` now and in each forked child of this process (procs.after_fork)."""
+    after_fork(plan)
 
 
 def submit(job: Callable[[], None]) -> None:
@@ -41,11 +39,3 @@ def finish() -> None:
     (C++, the GIL released) when Python finalizes is torn down by pthread_exit through C++
     frames, and the process aborts ("terminate called without an active exception")."""
     JOBS.close(wait=60.0)
-
-
-def _forked() -> None:
-    for plan in list(_PLANS):
-        plan.after_fork()
-
-
-os.register_at_fork(after_in_child=_forked)

@@ -32,7 +32,7 @@ import numpy as np
 from tokenmill.base.arrays import by_value
 from tokenmill.base.errors import ConfigError, StoreError, check_int
 from tokenmill.base.io import ChecksumWatch, file_id, is_url, map_file, redact
-from tokenmill.base.procs import default_max_open
+from tokenmill.base.procs import after_fork, default_max_open
 from tokenmill.store.cache import CacheFullError, RemoteShards
 from tokenmill.store.format import (MANIFEST, IdxArrays, check_offsets, read_idx,
                                     read_idx_entries, read_manifest, size_or_raise)
@@ -69,8 +69,7 @@ def check_sizes(path: str | os.PathLike, manifest: dict) -> array:
 
 
 def check_options(verify: str, max_open: int) -> int:
-    """``max_open`` as an int; ConfigError for a ``verify`` mode or ``max_open`` TokenStore does
-    not take."""
+    """``max_open`` as an int; ConfigError for a ``verify`` or ``max_open`` it does not take."""
     if verify not in VERIFY_MODES:
         raise ConfigError(f"verify must be one of {VERIFY_MODES} (got {verify=})")
     return check_int("max_open", max_open, minimum=2)
@@ -119,17 +118,19 @@ class TokenStore:
         self._bins: list[np.ndarray | None] = [None] * len(shards)
         self._idx: list[IdxArrays | None] = [None] * len(shards)
         self._seen, self._offsets_ok = bytearray(len(shards)), bytearray(len(shards))  # checked
-        self._maps: OrderedDict[int, int] = OrderedDict()  # key → bytes, oldest first: i for
-        self._lock = threading.Lock()                     # shard i's .bin, -1 - i for its .idx
-        self._shard_locks: dict[int, threading.Lock] = {}
+        self._maps: OrderedDict[int, int] = OrderedDict()  # .bin i, .idx -1 - i → bytes, LRU 1st
+        after_fork(self)  # its locks: made afresh in a forked child
         self._remote_bytes = 0  # bytes of remote .bin maps (at most half the cache)
         self._checks = ChecksumWatch(enabled=verify == "background" and self._remote is None,
                                      hint=VERIFY_HINT)
         self._closed = False
 
+    def after_fork(self) -> None:
+        """Fresh locks (in a forked child: the parent's thread mapping a shard held its lock)."""
+        self._lock, self._shard_locks = threading.Lock(), {}
+
     def _index(self, i: int) -> IdxArrays:
-        x = self._idx[i]
-        if x is None:
+        if (x := self._idx[i]) is None:
             return self._map_idx(i)
         try:
             self._maps.move_to_end(-1 - i)
@@ -301,8 +302,7 @@ class TokenStore:
         """Download shards (default: all) into the cache in a background thread, in order.
 
         ``store.prefetch().result()`` waits until they are all cached; a local store returns a
-        finished Future. Only what fits in the cache next to pinned shards stays there.
-        """
+        finished Future. Only what fits in the cache next to pinned shards stays there."""
         if self._remote is None:
             fut: Future = Future()
             fut.set_result([])
