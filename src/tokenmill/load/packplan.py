@@ -82,9 +82,9 @@ class PackedPlan:
         self.num_docs, self.num_tokens = d, t
         self.k = docs_per_window(d, t, seq_len)
         self.block = max(1, min(BLOCK_WINDOWS, BLOCK_DOCS // self.k))  # windows read at once
-        self._lock = threading.RLock()
-        self._pending: dict[tuple[int, int], Future] = {}
-        self._ahead_busy = False
+        self._lock: threading.RLock  # these three made by after_fork: now, and in a forked child
+        self._pending: dict[tuple[int, int], Future]
+        self._ahead_busy: bool
         packahead.track(self)
         self.counts = {"windows_packed": 0, "documents_packed": 0, "documents_cut": 0,
                        "num_truncated": 0, "most_segments": 0}
