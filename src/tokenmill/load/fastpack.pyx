@@ -605,7 +605,7 @@ cdef object owned(int64_t* data, Py_ssize_t n):
     return np.frombuffer(o, dtype=np.int64)
 
 
-WORK_ARRAYS = 14  # int64 arrays a window's work takes, each of its pieces + rows + 1 entries
+WORK_ARRAYS = 11  # int64 arrays a window's work takes, each of its pieces + rows + 1 entries
 
 
 def pack_window(lengths, starts, docs, int64_t seq_len, Py_ssize_t rows, work=None,
@@ -642,7 +642,7 @@ def pack_window(lengths, starts, docs, int64_t seq_len, Py_ssize_t rows, work=No
     cdef int64_t* at = &buf[0]
     cdef Work w
     cdef int status
-    cdef int64_t num_cut = 0, it, truncated = 0, dropped = 0, x, v, n = rows
+    cdef int64_t num_cut = 0, it, truncated = 0, dropped = 0, x
     cdef int64_t* seg_start = NULL
     cdef int64_t* seg_len = NULL
     cdef int64_t* seg_doc = NULL
@@ -688,10 +688,7 @@ def pack_window(lengths, starts, docs, int64_t seq_len, Py_ssize_t rows, work=No
                     dropped += (x - 1) % seq_len == 0
             if shuffled:  # permute(range(rows))
                 for i in range(rows):
-                    v = <int64_t>feistel(<uint64_t>i, &rk[0], rk.shape[0], h)
-                    while v >= n:
-                        v = <int64_t>feistel(<uint64_t>v, &rk[0], rk.shape[0], h)
-                    o[i] = v
+                    o[i] = <int64_t>walk(<uint64_t>i, <uint64_t>rows, &rk[0], rk.shape[0], h)
     if status != 0:
         free(seg_start)
         free(seg_len)
@@ -775,19 +772,24 @@ cdef inline uint64_t feistel(uint64_t x, const uint64_t* keys, Py_ssize_t rounds
     return (left << h) | right
 
 
+cdef inline uint64_t walk(uint64_t x, uint64_t n, const uint64_t* keys, Py_ssize_t rounds, int h
+                          ) noexcept nogil:
+    """x through the network, again until the value falls below n (cycle walking)."""
+    x = feistel(x, keys, rounds, h)
+    while x >= n:
+        x = feistel(x, keys, rounds, h)
+    return x
+
+
 def permute(const uint64_t[::1] x, uint64_t n, const uint64_t[::1] keys, int h):
     """``sampler._permute`` with one set of round keys: each value through the Feistel network
     on 2h bits, walked again until it falls below n (int64)."""
     out = np.empty(x.shape[0], dtype=np.int64)
     cdef int64_t[::1] o = out
     cdef Py_ssize_t i, rounds = keys.shape[0]
-    cdef uint64_t v
     if h < 1 or h > 31 or n < 1 or rounds < 1:
         raise ValueError(f"a Feistel network of 2 × {h} bits over range({n})")
     with nogil:
         for i in range(x.shape[0]):
-            v = feistel(x[i], &keys[0], rounds, h)
-            while v >= n:
-                v = feistel(v, &keys[0], rounds, h)
-            o[i] = <int64_t>v
+            o[i] = <int64_t>walk(x[i], n, &keys[0], rounds, h)
     return out
